@@ -1,0 +1,158 @@
+/* ulbtorch kernels: the C API every other layer calls.
+ *
+ * A weight matrix W is M x K (out_features x in_features). Each weight is an
+ * unsigned code q of `bits` bits whose integer level is a*q + b (see
+ * ulb_format_info); the real weight is scale * level, with one scale per row
+ * and group of `group_size` consecutive input elements. Activations are
+ * quantised per token to int8 (absmax), so every format reduces to one
+ * integer dot product of levels with int8 activations per (row, group).
+ *
+ * A packed weight is one self-describing byte blob: a 64-byte header, the
+ * codes in the panel layout of pack.c, then the scales. Every entry point
+ * validates the header, so a blob of another format or shape is an error,
+ * never garbage. Functions return ulb_status; nothing aborts. */
+#ifndef ULB_ULB_H
+#define ULB_ULB_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    ULB_OK = 0,
+    ULB_ERR_FORMAT,     /* unknown format id */
+    ULB_ERR_SHAPE,      /* M, K, N or a buffer size is invalid */
+    ULB_ERR_GROUP,      /* group size unsupported for this K */
+    ULB_ERR_CODE,       /* a code is out of range for the format */
+    ULB_ERR_BLOB,       /* packed blob header is corrupt or too small */
+    ULB_ERR_DTYPE,      /* unsupported activation / output dtype */
+    ULB_ERR_ISA,        /* requested ISA not available on this CPU */
+    ULB_ERR_NOMEM,
+    ULB_ERR_THREADS,
+    ULB_ERR_SCALE       /* a scale is NaN or infinite */
+} ulb_status;
+
+const char *ulb_status_str(ulb_status s);
+
+/* ---- formats ----------------------------------------------------------- */
+
+typedef enum {
+    ULB_FMT_INT2 = 1,     /* levels {-2,-1,0,1}:  q - 2          */
+    ULB_FMT_INT2_SYM = 2, /* levels {-3,-1,1,3}:  2q - 3 (= 2 x {-1.5,-0.5,0.5,1.5}) */
+    ULB_FMT_TERNARY = 3,  /* levels {-1,0,1}:     q - 1, code 3 invalid */
+    ULB_FMT_BINARY = 4    /* levels {-1,1}:       2q - 1          */
+} ulb_format;
+
+typedef struct {
+    int bits;     /* storage bits per weight: 1 or 2 */
+    int level_a;  /* level = level_a * q + level_b */
+    int level_b;
+    int max_code; /* largest valid code */
+    const char *name;
+} ulb_format_info;
+
+/* NULL for an unknown format. */
+const ulb_format_info *ulb_format_get(int format);
+
+/* Rows of one panel: threads split work in whole panels. */
+#define ULB_PANEL_ROWS 64
+/* K is padded to a multiple of this; group sizes must be multiples of it. */
+#define ULB_K_BLOCK 16
+
+typedef struct {
+    uint32_t magic;   /* ULB_MAGIC */
+    uint16_t version; /* ULB_BLOB_VERSION */
+    uint16_t format;
+    int64_t M, K;
+    int64_t group_size; /* == K_pad for one group per row */
+    int64_t n_groups;
+    int64_t M_pad, K_pad;
+    int64_t scales_offset; /* bytes from blob start; codes start at 64 */
+} ulb_header;
+
+#define ULB_MAGIC 0x31424c55u /* "ULB1" little-endian */
+#define ULB_BLOB_VERSION 1
+#define ULB_HEADER_BYTES 64
+
+/* Size in bytes of the blob for these parameters; < 0 (a -ulb_status) when
+ * they are invalid. group_size <= 0 or >= K means one group per row. */
+int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size);
+
+/* codes: M x K uint8 with row stride ldc; scales: M x n_groups float32 (row
+ * major). Writes the whole blob (nbytes from ulb_packed_nbytes). */
+ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
+                    const uint8_t *codes, int64_t ldc, const float *scales,
+                    uint8_t *blob, int64_t nbytes);
+
+/* Validates a blob and returns its header. */
+ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out);
+
+/* Inverse of ulb_pack: codes M x K (dense), scales M x n_groups. */
+ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float *scales);
+
+/* ---- activations --------------------------------------------------------- */
+
+typedef enum { ULB_DT_F32 = 0, ULB_DT_BF16 = 1 } ulb_dtype;
+
+/* Per-token absmax int8 quantisation, BitNet's rule in fp32:
+ *   inv = 127 / max(max|x|, 1e-5);  q = clamp(rint(x * inv), -128, 127)
+ * x is N x K with strides (ldx, incx) in elements. Writes xq (N x K_pad,
+ * zero padded), xscale[n] = 1 / inv, and xsum (N x n_groups): the sum of
+ * xq over each group. */
+ulb_status ulb_quantize_act(int64_t N, int64_t K, int64_t K_pad, int64_t group_size,
+                            const void *x, ulb_dtype dt, int64_t ldx, int64_t incx,
+                            int8_t *xq, float *xscale, int32_t *xsum);
+
+/* ---- linear -------------------------------------------------------------- */
+
+/* y[n, m] = xscale[n] * sum_g scale[m, g] * dot_g(level[m, :], xq[n, :]) + bias[m]
+ * x: N x K with strides (ldx, incx); y: N x M contiguous rows of stride ldy;
+ * bias may be NULL. nthreads <= 0 means 1. */
+ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N,
+                      const void *x, ulb_dtype x_dt, int64_t ldx, int64_t incx,
+                      const void *bias, ulb_dtype bias_dt,
+                      void *y, ulb_dtype y_dt, int64_t ldy, int nthreads);
+
+/* Integer core alone, for tests: dots[n, m, g] = sum_{k in g} level[m,k] * xq[n,k]
+ * from already-quantised activations xq (N x K_pad). */
+ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
+                        const int8_t *xq, const int32_t *xsum, int32_t *dots);
+
+/* ---- ISA ----------------------------------------------------------------- */
+
+typedef enum { ULB_ISA_SCALAR = 0, ULB_ISA_AVX2 = 1, ULB_ISA_AVX512 = 2 } ulb_isa;
+
+/* Best ISA this CPU supports, or the one named by env ULB_ISA at load. */
+ulb_isa ulb_isa_active(void);
+int ulb_isa_supported(ulb_isa isa);
+ulb_status ulb_isa_set(ulb_isa isa);
+const char *ulb_isa_name(ulb_isa isa);
+
+/* ---- threads & scheduler -------------------------------------------------- */
+
+#define ULB_MAX_THREADS 64
+
+typedef struct {
+    int nthreads;          /* threads of the last call */
+    int64_t calls;         /* calls recorded */
+    double ratio[ULB_MAX_THREADS];   /* share of work per thread (sums to 1) */
+    double last_us[ULB_MAX_THREADS]; /* each thread's time in the last call */
+    int64_t last_panels[ULB_MAX_THREADS];
+} ulb_sched_stats;
+
+/* One performance table per kernel family (format bits x ISA). */
+ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out);
+void ulb_sched_reset(void);
+/* 0: dynamic split (seed 002, EMA gain 0.3); 1: static equal split. */
+void ulb_sched_set_static(int on);
+/* Test-only: thread `tid` burns extra time proportional to its work
+ * (factor 1.0 = none, 2.0 = twice as slow). */
+ulb_status ulb_sched_set_slowdown(int tid, double factor);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,151 @@
+/* Formats, the packed blob (header + codes + scales), packing and unpacking. */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+
+static const ulb_format_info FORMATS[] = {
+    [ULB_FMT_INT2] = {2, 1, -2, 3, "int2"},
+    [ULB_FMT_INT2_SYM] = {2, 2, -3, 3, "int2_sym"},
+    [ULB_FMT_TERNARY] = {2, 1, -1, 2, "ternary"},
+    [ULB_FMT_BINARY] = {1, 2, -1, 1, "binary"},
+};
+
+const ulb_format_info *ulb_format_get(int format) {
+    if (format < ULB_FMT_INT2 || format > ULB_FMT_BINARY) return NULL;
+    return &FORMATS[format];
+}
+
+const char *ulb_status_str(ulb_status s) {
+    switch (s) {
+    case ULB_OK: return "ok";
+    case ULB_ERR_FORMAT: return "unknown weight format";
+    case ULB_ERR_SHAPE: return "invalid shape or buffer size";
+    case ULB_ERR_GROUP: return "group size must be a positive multiple of 16 (or cover all of K)";
+    case ULB_ERR_CODE: return "weight code out of range for the format";
+    case ULB_ERR_BLOB: return "not a valid ulbtorch packed weight (bad header or size)";
+    case ULB_ERR_DTYPE: return "unsupported dtype";
+    case ULB_ERR_ISA: return "ISA not supported on this CPU";
+    case ULB_ERR_NOMEM: return "out of memory";
+    case ULB_ERR_THREADS: return "invalid thread count";
+    case ULB_ERR_SCALE: return "scale is NaN or infinite";
+    }
+    return "unknown error";
+}
+
+/* Dots are int32: |level| <= 3 and |xq| <= 128, so K up to 2^22 cannot overflow. */
+#define ULB_MAX_K (1LL << 22)
+#define ULB_MAX_M (1LL << 26)
+
+typedef struct {
+    int64_t group_size, n_groups, M_pad, K_pad, codes_bytes, scales_offset, total;
+} blob_geometry;
+
+static ulb_status geometry(int format, int64_t M, int64_t K, int64_t group_size,
+                           blob_geometry *g) {
+    const ulb_format_info *fi = ulb_format_get(format);
+    if (!fi) return ULB_ERR_FORMAT;
+    if (M <= 0 || K <= 0 || M > ULB_MAX_M || K > ULB_MAX_K) return ULB_ERR_SHAPE;
+    g->M_pad = ulb_round_up(M, ULB_TILE);
+    g->K_pad = ulb_round_up(K, ULB_TILE);
+    if (group_size <= 0 || group_size >= K) {
+        g->group_size = g->K_pad;
+    } else {
+        if (group_size % ULB_K_BLOCK) return ULB_ERR_GROUP;
+        g->group_size = group_size;
+    }
+    g->n_groups = (g->K_pad + g->group_size - 1) / g->group_size;
+    g->codes_bytes = (g->M_pad / ULB_TILE) * (g->K_pad / ULB_TILE) * ulb_tile_bytes(fi->bits);
+    g->scales_offset = ULB_HEADER_BYTES + ulb_round_up(g->codes_bytes, 64);
+    g->total = g->scales_offset + g->n_groups * g->M_pad * (int64_t)sizeof(float);
+    return ULB_OK;
+}
+
+int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size) {
+    blob_geometry g;
+    ulb_status st = geometry(format, M, K, group_size, &g);
+    return st == ULB_OK ? g.total : -(int64_t)st;
+}
+
+ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
+                    const uint8_t *codes, int64_t ldc, const float *scales,
+                    uint8_t *blob, int64_t nbytes) {
+    blob_geometry g;
+    ulb_status st = geometry(format, M, K, group_size, &g);
+    if (st != ULB_OK) return st;
+    if (nbytes != g.total || ldc < K || !codes || !scales || !blob) return ULB_ERR_SHAPE;
+    const ulb_format_info *fi = ulb_format_get(format);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++)
+            if (codes[m * ldc + k] > fi->max_code) return ULB_ERR_CODE;
+        for (int64_t gi = 0; gi < g.n_groups; gi++)
+            if (!isfinite(scales[m * g.n_groups + gi])) return ULB_ERR_SCALE;
+    }
+
+    memset(blob, 0, (size_t)nbytes);
+    ulb_header h = {ULB_MAGIC, ULB_BLOB_VERSION, (uint16_t)format, M, K, g.group_size,
+                    g.n_groups, g.M_pad, g.K_pad, g.scales_offset};
+    memcpy(blob, &h, sizeof h);
+
+    uint8_t *area = blob + ULB_HEADER_BYTES;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) {
+            int64_t byte;
+            int shift;
+            ulb_code_pos(fi->bits, g.K_pad, m, k, &byte, &shift);
+            area[byte] |= (uint8_t)(codes[m * ldc + k] << shift);
+        }
+    float *sc = (float *)(blob + g.scales_offset);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t gi = 0; gi < g.n_groups; gi++)
+            sc[gi * g.M_pad + m] = scales[m * g.n_groups + gi];
+    return ULB_OK;
+}
+
+ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out) {
+    if (!blob || nbytes < ULB_HEADER_BYTES) return ULB_ERR_BLOB;
+    ulb_header h;
+    memcpy(&h, blob, sizeof h);
+    if (h.magic != ULB_MAGIC || h.version != ULB_BLOB_VERSION) return ULB_ERR_BLOB;
+    blob_geometry g;
+    const int64_t gs_arg = h.group_size >= h.K_pad ? 0 : h.group_size;
+    if (geometry(h.format, h.M, h.K, gs_arg, &g) != ULB_OK) return ULB_ERR_BLOB;
+    if (g.group_size != h.group_size || g.n_groups != h.n_groups || g.M_pad != h.M_pad ||
+        g.K_pad != h.K_pad || g.scales_offset != h.scales_offset || g.total != nbytes)
+        return ULB_ERR_BLOB;
+    *out = h;
+    return ULB_OK;
+}
+
+ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
+    ulb_header h;
+    ulb_status st = ulb_blob_header(blob, nbytes, &h);
+    if (st != ULB_OK) return st;
+    const ulb_format_info *fi = ulb_format_get(h.format);
+    w->bits = fi->bits;
+    w->level_a = fi->level_a;
+    w->level_b = fi->level_b;
+    w->M = h.M;
+    w->K = h.K;
+    w->M_pad = h.M_pad;
+    w->K_pad = h.K_pad;
+    w->n_groups = h.n_groups;
+    w->ksteps = h.K_pad / ULB_TILE;
+    w->gsteps = h.group_size / ULB_TILE;
+    w->codes = blob + ULB_HEADER_BYTES;
+    w->scales = (const float *)(blob + h.scales_offset);
+    return ULB_OK;
+}
+
+ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float *scales) {
+    ulb_weight w;
+    ulb_status st = ulb_weight_view(blob, nbytes, &w);
+    if (st != ULB_OK) return st;
+    for (int64_t m = 0; m < w.M; m++) {
+        for (int64_t k = 0; k < w.K; k++)
+            codes[m * w.K + k] = (uint8_t)ulb_code_get(w.codes, w.bits, w.K_pad, m, k);
+        for (int64_t g = 0; g < w.n_groups; g++)
+            scales[m * w.n_groups + g] = w.scales[g * w.M_pad + m];
+    }
+    return ULB_OK;
+}

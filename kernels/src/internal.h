@@ -1,0 +1,61 @@
+/* Internal interfaces between the driver, the microkernels and the pool. */
+#ifndef ULB_INTERNAL_H
+#define ULB_INTERNAL_H
+
+#include "ulb/ulb.h"
+#include "layout.h"
+
+/* Columns (tokens) one microkernel call handles: weights unpacked once serve
+ * this many activation vectors. */
+#define ULB_NB_MAX 4
+#define ULB_PANEL_TILES (ULB_PANEL_ROWS / ULB_TILE)
+
+typedef struct {
+    int bits, level_a, level_b;
+    int64_t M, K, M_pad, K_pad, n_groups;
+    int64_t ksteps; /* K_pad / 16 */
+    int64_t gsteps; /* group_size / 16 */
+    const uint8_t *codes;
+    const float *scales; /* n_groups x M_pad */
+} ulb_weight;
+
+typedef struct {
+    const int8_t *xq;    /* N x ldq, zero padded to K_pad */
+    int64_t ldq;
+    const int32_t *xsum; /* N x n_groups */
+} ulb_acts;
+
+/* The microkernel contract, identical for every ISA:
+ * for rows r of tiles [tile0, tile0 + ntiles) (ntiles <= 4) and columns
+ * j < nb (nb <= ULB_NB_MAX) of activations starting at column n0,
+ *   dot_g   = level_a * sum_{k in g} q[r,k] xq[n0+j,k] + level_b * xsum[n0+j,g]
+ *   facc[j*64 + r] = (((0 + s[g0,r]*dot_g0) + s[g1,r]*dot_g1) + ...)
+ * in fp32, multiply then add, groups in order, so that every ISA produces the
+ * same bits. If dots != NULL also dots[(j*n_groups + g)*64 + r] = dot_g. */
+typedef void (*ulb_panel_fn)(const ulb_weight *w, int64_t tile0, int ntiles,
+                             const ulb_acts *a, int64_t n0, int nb,
+                             float *facc, int32_t *dots);
+
+void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                   int64_t n0, int nb, float *facc, int32_t *dots);
+void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                    int64_t n0, int nb, float *facc, int32_t *dots);
+void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                      int64_t n0, int nb, float *facc, int32_t *dots);
+
+/* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */
+ulb_panel_fn ulb_panel_for_isa(ulb_isa isa);
+
+/* Validated view of a blob. */
+ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w);
+
+/* Thread pool: runs fn over [0, nwork) panels split across nthreads by the
+ * scheduler table of `family`; fn(ctx, begin, end) per thread. */
+typedef void (*ulb_range_fn)(void *ctx, int64_t begin, int64_t end);
+ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn, void *ctx);
+int ulb_sched_family(int bits, ulb_isa isa);
+
+void *ulb_aligned_alloc(size_t bytes);
+void ulb_aligned_free(void *p);
+
+#endif

@@ -1,0 +1,66 @@
+/* ISA selection: once, at load (CPUID, or env ULB_ISA=scalar|avx2|avx512);
+ * tests switch explicitly with ulb_isa_set to cover every path. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+
+const char *ulb_isa_name(ulb_isa isa) {
+    return (unsigned)isa <= ULB_ISA_AVX512 ? ISA_NAMES[isa] : "unknown";
+}
+
+int ulb_isa_supported(ulb_isa isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    switch (isa) {
+    case ULB_ISA_SCALAR: return 1;
+    case ULB_ISA_AVX2: return __builtin_cpu_supports("avx2");
+    case ULB_ISA_AVX512:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return 0;
+#else
+    return isa == ULB_ISA_SCALAR;
+#endif
+}
+
+static _Atomic int active_isa = -1;
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+
+static void isa_init(void) {
+    ulb_isa best = ULB_ISA_SCALAR;
+    if (ulb_isa_supported(ULB_ISA_AVX2)) best = ULB_ISA_AVX2;
+    if (ulb_isa_supported(ULB_ISA_AVX512)) best = ULB_ISA_AVX512;
+    const char *env = getenv("ULB_ISA");
+    if (env)
+        for (int i = 0; i <= ULB_ISA_AVX512; i++)
+            if (!strcmp(env, ISA_NAMES[i]) && ulb_isa_supported((ulb_isa)i)) best = (ulb_isa)i;
+    atomic_store(&active_isa, (int)best);
+}
+
+ulb_isa ulb_isa_active(void) {
+    pthread_once(&isa_once, isa_init);
+    return (ulb_isa)atomic_load(&active_isa);
+}
+
+ulb_status ulb_isa_set(ulb_isa isa) {
+    pthread_once(&isa_once, isa_init);
+    if ((unsigned)isa > ULB_ISA_AVX512 || !ulb_isa_supported(isa)) return ULB_ERR_ISA;
+    atomic_store(&active_isa, (int)isa);
+    return ULB_OK;
+}
+
+ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
+    switch (isa) {
+#if defined(__x86_64__)
+    case ULB_ISA_AVX512: return ulb_panel_avx512;
+    case ULB_ISA_AVX2: return ulb_panel_avx2;
+#endif
+    default: return ulb_panel_ref;
+    }
+}

@@ -1,0 +1,142 @@
+/* The linear driver: quantise activations, split panels over threads, run the
+ * active ISA's microkernel on each panel and apply the shared epilogue
+ * (activation scale, bias, output dtype). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+#include "internal.h"
+
+void *ulb_aligned_alloc(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) return NULL;
+    return p;
+}
+
+void ulb_aligned_free(void *p) { free(p); }
+
+typedef struct {
+    int8_t *xq;
+    float *xscale;
+    int32_t *xsum;
+    ulb_acts acts;
+} quantized_acts;
+
+static void acts_free(quantized_acts *q) {
+    ulb_aligned_free(q->xq);
+    ulb_aligned_free(q->xscale);
+    ulb_aligned_free(q->xsum);
+}
+
+static ulb_status acts_quantize(const ulb_weight *w, int64_t N, const void *x, ulb_dtype dt,
+                                int64_t ldx, int64_t incx, quantized_acts *q) {
+    memset(q, 0, sizeof *q);
+    q->xq = ulb_aligned_alloc((size_t)(N * w->K_pad));
+    q->xscale = ulb_aligned_alloc((size_t)N * sizeof(float));
+    q->xsum = ulb_aligned_alloc((size_t)(N * w->n_groups) * sizeof(int32_t));
+    if (!q->xq || !q->xscale || !q->xsum) {
+        acts_free(q);
+        return ULB_ERR_NOMEM;
+    }
+    ulb_status st = ulb_quantize_act(N, w->K, w->K_pad, w->gsteps * ULB_TILE, x, dt, ldx, incx,
+                                     q->xq, q->xscale, q->xsum);
+    if (st != ULB_OK) acts_free(q);
+    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum};
+    return st;
+}
+
+typedef struct {
+    const ulb_weight *w;
+    const quantized_acts *q;
+    int64_t N;
+    ulb_panel_fn fn;
+    const void *bias;
+    ulb_dtype bias_dt;
+    void *y;
+    ulb_dtype y_dt;
+    int64_t ldy;
+} linear_job;
+
+static int panel_tiles(const ulb_weight *w, int64_t panel) {
+    const int64_t left = w->M_pad / ULB_TILE - panel * ULB_PANEL_TILES;
+    return left < ULB_PANEL_TILES ? (int)left : ULB_PANEL_TILES;
+}
+
+static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
+    const linear_job *job = ctx;
+    const ulb_weight *w = job->w;
+    float facc[ULB_NB_MAX * ULB_PANEL_ROWS] __attribute__((aligned(64)));
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t tile0 = p * ULB_PANEL_TILES;
+        const int ntiles = panel_tiles(w, p);
+        const int64_t m0 = tile0 * ULB_TILE;
+        const int64_t rows = w->M - m0 < ntiles * ULB_TILE ? w->M - m0 : ntiles * ULB_TILE;
+        for (int64_t n0 = 0; n0 < job->N; n0 += ULB_NB_MAX) {
+            const int nb = job->N - n0 < ULB_NB_MAX ? (int)(job->N - n0) : ULB_NB_MAX;
+            job->fn(w, tile0, ntiles, &job->q->acts, n0, nb, facc, NULL);
+            for (int j = 0; j < nb; j++) {
+                const float xs = job->q->xscale[n0 + j];
+                const int64_t yrow = (n0 + j) * job->ldy + m0;
+                for (int64_t r = 0; r < rows; r++) {
+                    float v = facc[j * ULB_PANEL_ROWS + r] * xs;
+                    if (job->bias) v = v + ulb_load_elem(job->bias, job->bias_dt, m0 + r);
+                    ulb_store_elem(job->y, job->y_dt, yrow + r, v);
+                }
+            }
+        }
+    }
+}
+
+/* Below this many code bytes x tokens a second thread costs more than it saves. */
+#define ULB_PARALLEL_MIN_BYTES (64 * 1024)
+
+ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void *x,
+                      ulb_dtype x_dt, int64_t ldx, int64_t incx, const void *bias,
+                      ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int64_t ldy, int nthreads) {
+    ulb_weight w;
+    ulb_status st = ulb_weight_view(blob, nbytes, &w);
+    if (st != ULB_OK) return st;
+    if (N < 0 || ldy < w.M) return ULB_ERR_SHAPE;
+    if ((x_dt != ULB_DT_F32 && x_dt != ULB_DT_BF16) || (y_dt != ULB_DT_F32 && y_dt != ULB_DT_BF16) ||
+        (bias && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
+        return ULB_ERR_DTYPE;
+    if (N == 0) return ULB_OK;
+    quantized_acts q;
+    st = acts_quantize(&w, N, x, x_dt, ldx, incx, &q);
+    if (st != ULB_OK) return st;
+    const ulb_isa isa = ulb_isa_active();
+    linear_job job = {&w, &q, N, ulb_panel_for_isa(isa), bias, bias_dt, y, y_dt, ldy};
+    const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
+    const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
+    if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
+    st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, npanels, linear_panels, &job);
+    acts_free(&q);
+    return st;
+}
+
+ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const int8_t *xq,
+                        const int32_t *xsum, int32_t *dots) {
+    ulb_weight w;
+    ulb_status st = ulb_weight_view(blob, nbytes, &w);
+    if (st != ULB_OK) return st;
+    if (N < 0) return ULB_ERR_SHAPE;
+    const ulb_panel_fn fn = ulb_panel_for_isa(ulb_isa_active());
+    const ulb_acts acts = {xq, w.K_pad, xsum};
+    const int64_t G = w.n_groups;
+    int32_t *pd = ulb_aligned_alloc((size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t));
+    if (!pd) return ULB_ERR_NOMEM;
+    float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
+    for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
+        const int64_t m0 = p * ULB_PANEL_ROWS;
+        for (int64_t n0 = 0; n0 < N; n0 += ULB_NB_MAX) {
+            const int nb = N - n0 < ULB_NB_MAX ? (int)(N - n0) : ULB_NB_MAX;
+            fn(&w, p * ULB_PANEL_TILES, panel_tiles(&w, p), &acts, n0, nb, facc, pd);
+            for (int j = 0; j < nb; j++)
+                for (int64_t r = 0; r < ULB_PANEL_ROWS && m0 + r < w.M; r++)
+                    for (int64_t g = 0; g < G; g++)
+                        dots[((n0 + j) * w.M + m0 + r) * G + g] = pd[(j * G + g) * ULB_PANEL_ROWS + r];
+        }
+    }
+    ulb_aligned_free(pd);
+    return ULB_OK;
+}

@@ -1,0 +1,106 @@
+#include <pthread.h>
+#include <string.h>
+
+#include "sched.h"
+
+#define EMA_GAIN 0.3
+/* A thread keeps at least this fraction of an equal share, so it stays
+ * measured and can win work back when it speeds up again. */
+#define MIN_SHARE 0.05
+
+typedef struct {
+    int nthreads;
+    int64_t calls;
+    double ratio[ULB_MAX_THREADS];
+    double last_us[ULB_MAX_THREADS];
+    int64_t last_work[ULB_MAX_THREADS];
+} table;
+
+static table tables[ULB_SCHED_FAMILIES];
+static double slowdown[ULB_MAX_THREADS];
+static int static_split;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+int ulb_sched_family(int bits, ulb_isa isa) { return (bits - 1) * 3 + (int)isa; }
+
+static void reset_table(table *t, int n) {
+    memset(t, 0, sizeof *t);
+    t->nthreads = n;
+    for (int i = 0; i < n; i++) t->ratio[i] = 1.0 / n;
+}
+
+void ulb_sched_split(int family, int n, int64_t nwork, int64_t *begin, int64_t *end) {
+    pthread_mutex_lock(&lock);
+    table *t = &tables[family];
+    if (t->nthreads != n) reset_table(t, n);
+    double cum = 0.0;
+    int64_t prev = 0;
+    for (int i = 0; i < n; i++) {
+        cum += static_split ? 1.0 / n : t->ratio[i];
+        int64_t e = i == n - 1 ? nwork : (int64_t)(cum * (double)nwork + 0.5);
+        if (e < prev) e = prev;
+        if (e > nwork) e = nwork;
+        begin[i] = prev;
+        end[i] = e;
+        prev = e;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+void ulb_sched_record(int family, int n, const int64_t *begin, const int64_t *end,
+                      const double *us) {
+    pthread_mutex_lock(&lock);
+    table *t = &tables[family];
+    if (t->nthreads != n) reset_table(t, n);
+    t->calls++;
+    double speed[ULB_MAX_THREADS], total = 0.0;
+    int measurable = 1;
+    for (int i = 0; i < n; i++) {
+        t->last_us[i] = us[i];
+        t->last_work[i] = end[i] - begin[i];
+        if (t->last_work[i] <= 0 || us[i] <= 0.0) measurable = 0;
+        else total += speed[i] = (double)t->last_work[i] / us[i];
+    }
+    if (measurable && !static_split) {
+        double sum = 0.0;
+        for (int i = 0; i < n; i++) {
+            double r = (1.0 - EMA_GAIN) * t->ratio[i] + EMA_GAIN * speed[i] / total;
+            if (r < MIN_SHARE / n) r = MIN_SHARE / n;
+            sum += t->ratio[i] = r;
+        }
+        for (int i = 0; i < n; i++) t->ratio[i] /= sum;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
+
+ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
+    if ((bits != 1 && bits != 2) || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
+    pthread_mutex_lock(&lock);
+    const table *t = &tables[ulb_sched_family(bits, isa)];
+    memset(out, 0, sizeof *out);
+    out->nthreads = t->nthreads;
+    out->calls = t->calls;
+    for (int i = 0; i < t->nthreads; i++) {
+        out->ratio[i] = t->ratio[i];
+        out->last_us[i] = t->last_us[i];
+        out->last_panels[i] = t->last_work[i];
+    }
+    pthread_mutex_unlock(&lock);
+    return ULB_OK;
+}
+
+void ulb_sched_reset(void) {
+    pthread_mutex_lock(&lock);
+    memset(tables, 0, sizeof tables);
+    pthread_mutex_unlock(&lock);
+}
+
+void ulb_sched_set_static(int on) { static_split = on; }
+
+ulb_status ulb_sched_set_slowdown(int tid, double factor) {
+    if (tid < 0 || tid >= ULB_MAX_THREADS || !(factor >= 1.0)) return ULB_ERR_THREADS;
+    slowdown[tid] = factor;
+    return ULB_OK;
+}

@@ -1,0 +1,16 @@
+/* Dynamic work split for cores of unequal speed (seed 002): a table of each
+ * thread's share of the work per kernel family, updated after every call
+ * from the measured per-thread times with an EMA filter. */
+#ifndef ULB_SCHED_H
+#define ULB_SCHED_H
+
+#include "internal.h"
+
+#define ULB_SCHED_FAMILIES 6 /* bits {1,2} x ISA {scalar, avx2, avx512} */
+
+void ulb_sched_split(int family, int nthreads, int64_t nwork, int64_t *begin, int64_t *end);
+void ulb_sched_record(int family, int nthreads, const int64_t *begin, const int64_t *end,
+                      const double *us);
+double ulb_sched_slowdown(int tid);
+
+#endif

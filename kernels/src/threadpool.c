@@ -1,0 +1,160 @@
+/* Persistent worker pool for microsecond-long calls: workers spin for a short
+ * while after a job (env ULB_SPIN_US, default 200) and then sleep on a futex,
+ * so back-to-back layers pay no wake-up while an idle process burns no CPU.
+ * The calling thread is worker 0. One job at a time: a second caller that
+ * finds the pool busy runs its job on its own thread. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#include "sched.h"
+
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t expected) {
+#if defined(__linux__)
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+#else
+    (void)addr, (void)expected;
+    sched_yield();
+#endif
+}
+
+static void futex_wake_all(_Atomic uint32_t *addr) {
+#if defined(__linux__)
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)addr;
+#endif
+}
+
+static struct {
+    pthread_mutex_t lock; /* held by the caller for the whole job */
+    int nworkers;         /* started workers, tids 1..nworkers */
+    double spin_us;
+    _Atomic uint32_t gen; /* bumped to publish a job */
+    _Atomic int pending;  /* workers still running the job */
+    _Atomic int sleepers;
+    uint32_t start_gen[ULB_MAX_THREADS];
+    /* the job */
+    int nthreads;
+    ulb_range_fn fn;
+    void *ctx;
+    int64_t begin[ULB_MAX_THREADS], end[ULB_MAX_THREADS];
+    double us[ULB_MAX_THREADS];
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_us = -1.0};
+
+static void run_share(int tid) {
+    const double t0 = now_us();
+    if (pool.end[tid] > pool.begin[tid]) pool.fn(pool.ctx, pool.begin[tid], pool.end[tid]);
+    const double slow = ulb_sched_slowdown(tid);
+    if (slow > 1.0) {
+        const double until = t0 + (now_us() - t0) * slow;
+        while (now_us() < until) cpu_relax();
+    }
+    pool.us[tid] = now_us() - t0;
+}
+
+static void *worker_main(void *arg) {
+    const int tid = (int)(intptr_t)arg;
+    /* The generation before any job this worker must run: read by the
+     * creator, since a job may be published before this thread starts. */
+    uint32_t seen = pool.start_gen[tid];
+    for (;;) {
+        uint32_t g;
+        double spin_start = now_us();
+        int spins = 0;
+        while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
+            cpu_relax();
+            if (++spins % 256) continue;
+            if (now_us() - spin_start < pool.spin_us) continue;
+            atomic_fetch_add(&pool.sleepers, 1);
+            if (atomic_load(&pool.gen) == seen) futex_wait(&pool.gen, seen);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            spin_start = now_us();
+        }
+        seen = g;
+        if (tid < pool.nthreads) {
+            run_share(tid);
+            atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+static void after_fork_child(void) {
+    /* Worker threads do not survive fork(); start afresh in the child. */
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.nworkers = 0;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.pending, 0);
+}
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) {
+    const char *env = getenv("ULB_SPIN_US");
+    pool.spin_us = env ? atof(env) : 200.0;
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+/* Returns how many threads can take part (>= 1). */
+static int ensure_workers(int nthreads) {
+    while (pool.nworkers < nthreads - 1) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.start_gen[pool.nworkers + 1] = atomic_load(&pool.gen);
+        int rc = pthread_create(&th, &attr, worker_main, (void *)(intptr_t)(pool.nworkers + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.nworkers++;
+    }
+    return pool.nworkers + 1 < nthreads ? pool.nworkers + 1 : nthreads;
+}
+
+ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn, void *ctx) {
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > ULB_MAX_THREADS) nthreads = ULB_MAX_THREADS;
+    if (nthreads > nwork) nthreads = nwork > 0 ? (int)nwork : 1;
+    pthread_once(&pool_once, pool_init);
+    if (nthreads == 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        if (nwork > 0) fn(ctx, 0, nwork);
+        return ULB_OK;
+    }
+    nthreads = ensure_workers(nthreads);
+    pool.nthreads = nthreads;
+    pool.fn = fn;
+    pool.ctx = ctx;
+    ulb_sched_split(family, nthreads, nwork, pool.begin, pool.end);
+    atomic_store(&pool.pending, nthreads - 1);
+    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
+    run_share(0);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+    ulb_sched_record(family, nthreads, pool.begin, pool.end, pool.us);
+    pthread_mutex_unlock(&pool.lock);
+    return ULB_OK;
+}

@@ -1,0 +1,122 @@
+/* AVX2 microkernels (1-bit and 2-bit codes) for CPUs without AVX-512:
+ * u8 codes x s8 activations with vpmaddubsw + vpmaddwd. One 16-row tile at a
+ * time (two 8-row halves), so each pass reads one sequential stream.
+ * Exact in 16 bits: a maddubs pair is at most 2*3*128 = 768 in magnitude and
+ * four of them are summed before widening (<= 3072). Must match
+ * ref/panel_ref.c bit for bit. */
+#pragma GCC target("avx2")
+#include <immintrin.h>
+#include <string.h>
+
+#include "../src/internal.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* 32 one-bit codes -> 32 bytes of 0/1, byte i = bit i. */
+ALWAYS_INLINE __m256i expand_bits(uint32_t d) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)d), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(1));
+}
+
+/* VNNI4 u8 operands of half h (rows 8h..8h+7) of one tile. */
+ALWAYS_INLINE void unpack_half(const uint8_t *tp, int h, const int bits, __m256i u[4]) {
+    if (bits == 2) {
+        const __m256i three = _mm256_set1_epi8(3);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(tp + 32 * h));
+        u[0] = _mm256_and_si256(v, three);
+        u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
+        u[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
+        u[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
+    } else {
+        for (int s = 0; s < 4; s++) {
+            uint32_t d;
+            memcpy(&d, tp + 8 * s + 4 * h, sizeof d);
+            u[s] = expand_bits(d);
+        }
+    }
+}
+
+ALWAYS_INLINE void tile_body(const ulb_weight *w, int64_t tile, int t, const ulb_acts *a,
+                             int64_t n0, float *facc, int32_t *dots, const int nb,
+                             const int bits) {
+    const int64_t tb = ulb_tile_bytes(bits);
+    const uint8_t *base = w->codes + tile * w->ksteps * tb;
+    const int8_t *x[ULB_NB_MAX];
+    for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const __m256i va = _mm256_set1_epi32(w->level_a);
+    __m256 f[ULB_NB_MAX][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < nb; j++) f[j][0] = f[j][1] = _mm256_setzero_ps();
+
+    for (int64_t g = 0; g < w->n_groups; g++) {
+        const int64_t ks0 = g * w->gsteps;
+        const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        __m256i acc[ULB_NB_MAX][2];
+#pragma GCC unroll 4
+        for (int j = 0; j < nb; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+        for (int64_t ks = ks0; ks < ks1; ks++) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i u[4];
+                unpack_half(base + ks * tb, h, bits, u);
+#pragma GCC unroll 4
+                for (int j = 0; j < nb; j++) {
+                    const int8_t *xk = x[j] + ks * ULB_TILE;
+                    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], bcast4(xk)),
+                                                         _mm256_maddubs_epi16(u[1], bcast4(xk + 4)));
+                    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], bcast4(xk + 8)),
+                                                         _mm256_maddubs_epi16(u[3], bcast4(xk + 12)));
+                    acc[j][h] = _mm256_add_epi32(
+                        acc[j][h], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), ones16));
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < nb; j++) {
+            const __m256i vb =
+                _mm256_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][h], va), vb);
+                const __m256 s = _mm256_loadu_ps(w->scales + g * w->M_pad + tile * ULB_TILE + 8 * h);
+                f[j][h] = _mm256_add_ps(f[j][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
+                if (dots)
+                    _mm256_storeu_si256(
+                        (__m256i *)(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + t * ULB_TILE + 8 * h),
+                        dot);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < nb; j++)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + t * ULB_TILE + 8 * h, f[j][h]);
+}
+
+#define ULB_CASE(BITS, NB)                                                                         \
+    case NB:                                                                                       \
+        tile_body(w, tile0 + t, t, a, n0, facc, dots, NB, BITS);                                   \
+        break;
+
+void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                    int64_t n0, int nb, float *facc, int32_t *dots) {
+    for (int t = 0; t < ntiles; t++) {
+        if (w->bits == 2) {
+            switch (nb) { ULB_CASE(2, 1) ULB_CASE(2, 2) ULB_CASE(2, 3) ULB_CASE(2, 4) }
+        } else {
+            switch (nb) { ULB_CASE(1, 1) ULB_CASE(1, 2) ULB_CASE(1, 3) ULB_CASE(1, 4) }
+        }
+    }
+}

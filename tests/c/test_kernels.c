@@ -1,0 +1,59 @@
+/* C unit test of kernels/: every ISA this CPU runs equals the scalar
+ * reference bit for bit (integer dots and fp32 outputs), on odd shapes. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ulb/ulb.h"
+
+static uint32_t rng = 12345;
+static uint32_t rnd(void) { rng = rng * 1664525u + 1013904223u; return rng >> 8; }
+
+static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
+    const ulb_format_info *fi = ulb_format_get(fmt);
+    int64_t nb = ulb_packed_nbytes(fmt, M, K, gs);
+    if (nb < 0) { printf("nbytes error %s\n", ulb_status_str((ulb_status)-nb)); return 1; }
+    int64_t G = gs <= 0 || gs >= K ? 1 : (K + gs - 1) / gs;
+    uint8_t *codes = malloc(M * K), *blob = malloc(nb), *codes2 = malloc(M * K);
+    float *sc = malloc(M * G * 4), *sc2 = malloc(M * G * 4);
+    for (int64_t i = 0; i < M * K; i++) codes[i] = rnd() % (fi->max_code + 1);
+    for (int64_t i = 0; i < M * G; i++) sc[i] = (rnd() % 1000 + 1) * 1e-3f;
+    if (ulb_pack(fmt, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
+    ulb_unpack(blob, nb, codes2, sc2);
+    if (memcmp(codes, codes2, M * K) || memcmp(sc, sc2, M * G * 4)) { printf("unpack mismatch\n"); return 1; }
+    float *x = malloc(N * K * 4);
+    for (int64_t i = 0; i < N * K; i++) x[i] = ((int)(rnd() % 2001) - 1000) * 1e-3f;
+    float *y[3];
+    int fails = 0;
+    for (int isa = 0; isa < 3; isa++) {
+        y[isa] = calloc(N * M, 4);
+        if (!ulb_isa_supported(isa)) continue;
+        ulb_isa_set(isa);
+        ulb_status st = ulb_linear(blob, nb, N, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y[isa], ULB_DT_F32, M, 2);
+        if (st) { printf("linear failed %s\n", ulb_status_str(st)); return 1; }
+        if (isa && memcmp(y[0], y[isa], N * M * 4)) {
+            printf("MISMATCH fmt=%d M=%ld K=%ld gs=%ld N=%ld isa=%s\n", fmt, (long)M, (long)K, (long)gs, (long)N, ulb_isa_name(isa));
+            for (int64_t i = 0; i < N * M; i++) if (y[0][i] != y[isa][i]) { printf("  first at %ld: %g vs %g\n", (long)i, y[0][i], y[isa][i]); break; }
+            fails++;
+        }
+    }
+    for (int isa = 0; isa < 3; isa++) free(y[isa]);
+    free(codes); free(codes2); free(blob); free(sc); free(sc2); free(x);
+    return fails;
+}
+
+int main(void) {
+    int fails = 0, n = 0;
+    const int64_t Ms[] = {1, 7, 33, 100, 1000};
+    const int64_t Ks[] = {1, 16, 33, 257, 4097};
+    const int64_t Ns[] = {1, 2, 5, 9};
+    const int64_t gss[] = {0, 32, 128};
+    for (int fmt = 1; fmt <= 4; fmt++)
+        for (int a = 0; a < 5; a++) for (int b = 0; b < 5; b++) for (int c = 0; c < 4; c++) for (int d = 0; d < 3; d++) {
+            if (Ms[a] * Ks[b] > 1000 * 300 && c > 1) continue;
+            fails += check(fmt, Ms[a], Ks[b], gss[d], Ns[c]);
+            n++;
+        }
+    printf("%d passed, %d failed\n", n - fails, fails);
+    return fails != 0;
+}
