@@ -1,0 +1,220 @@
+// torch.ops.ulb.*: argument checks and tensor plumbing over the C kernels.
+// Built against the LibTorch stable ABI, so one binary serves torch >= 2.10.
+#include <Python.h>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ulb/ulb.h"
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+namespace {
+
+const char *dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return "float32";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Half: return "float16";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Byte: return "uint8";
+    case ScalarType::Char: return "int8";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Long: return "int64";
+    default: return "an unsupported dtype";
+  }
+}
+
+void check_ok(ulb_status st, const char *op) {
+  STD_TORCH_CHECK(st == ULB_OK, "ulb.", op, ": ", ulb_status_str(st));
+}
+
+void check_cpu(const Tensor &t, const char *op, const char *name) {
+  STD_TORCH_CHECK(t.is_cpu(), "ulb.", op, ": ", name,
+                  " must be a CPU tensor (use the pure-PyTorch path for other devices)");
+}
+
+ulb_dtype act_dtype(const Tensor &t, const char *op, const char *name) {
+  const ScalarType st = t.scalar_type();
+  STD_TORCH_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16, "ulb.", op, ": ", name,
+                  " must be float32 or bfloat16, got ", dtype_name(st));
+  return st == ScalarType::Float ? ULB_DT_F32 : ULB_DT_BF16;
+}
+
+// A packed weight: 1-D contiguous uint8 whose header validates.
+ulb_header check_packed(const Tensor &packed, const char *op) {
+  check_cpu(packed, op, "packed weight");
+  STD_TORCH_CHECK(packed.scalar_type() == ScalarType::Byte && packed.dim() == 1 &&
+                      packed.is_contiguous(),
+                  "ulb.", op, ": packed weight must be a 1-D contiguous uint8 tensor made by "
+                  "ulb.pack, got dtype ", dtype_name(packed.scalar_type()), " with ", packed.dim(),
+                  " dims");
+  ulb_header h;
+  check_ok(ulb_blob_header(static_cast<const uint8_t *>(packed.const_data_ptr()), packed.numel(), &h),
+           op);
+  return h;
+}
+
+const uint8_t *blob_ptr(const Tensor &packed) {
+  return static_cast<const uint8_t *>(packed.const_data_ptr());
+}
+
+Tensor new_tensor(std::vector<int64_t> shape, ScalarType dtype) {
+  return torch::stable::empty(shape, dtype, std::nullopt, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+}
+
+Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size) {
+  check_cpu(codes, "pack", "codes");
+  check_cpu(scales, "pack", "scales");
+  const ulb_format_info *fi = ulb_format_get(static_cast<int>(format));
+  STD_TORCH_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
+  STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Byte && codes.dim() == 2,
+                  "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
+                  dtype_name(codes.scalar_type()), " with ", codes.dim(), " dims");
+  STD_TORCH_CHECK(scales.scalar_type() == ScalarType::Float && scales.dim() == 2,
+                  "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
+  const int64_t M = codes.size(0), K = codes.size(1);
+  const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
+  if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
+  const int64_t G = (group_size <= 0 || group_size >= K) ? 1 : (K + group_size - 1) / group_size;
+  STD_TORCH_CHECK(scales.size(0) == M && scales.size(1) == G, "ulb.pack: scales must have shape [",
+                  M, ", ", G, "] for group_size ", group_size, ", got [", scales.size(0), ", ",
+                  scales.size(1), "]");
+  codes = torch::stable::contiguous(codes);
+  scales = torch::stable::contiguous(scales);
+  Tensor out = new_tensor({nbytes}, ScalarType::Byte);
+  check_ok(ulb_pack(static_cast<int>(format), M, K, group_size,
+                    static_cast<const uint8_t *>(codes.const_data_ptr()), K,
+                    static_cast<const float *>(scales.const_data_ptr()),
+                    static_cast<uint8_t *>(out.mutable_data_ptr()), nbytes),
+           "pack");
+  return out;
+}
+
+std::tuple<Tensor, Tensor> unpack(Tensor packed) {
+  const ulb_header h = check_packed(packed, "unpack");
+  Tensor codes = new_tensor({h.M, h.K}, ScalarType::Byte);
+  Tensor scales = new_tensor({h.M, h.n_groups}, ScalarType::Float);
+  check_ok(ulb_unpack(blob_ptr(packed), packed.numel(), static_cast<uint8_t *>(codes.mutable_data_ptr()),
+                      static_cast<float *>(scales.mutable_data_ptr())),
+           "unpack");
+  return std::make_tuple(codes, scales);
+}
+
+Tensor packed_info(Tensor packed) {
+  const ulb_header h = check_packed(packed, "packed_info");
+  Tensor out = new_tensor({7}, ScalarType::Long);
+  int64_t *p = static_cast<int64_t *>(out.mutable_data_ptr());
+  const int64_t v[7] = {h.format, h.M, h.K, h.group_size, h.n_groups, h.M_pad, h.K_pad};
+  std::memcpy(p, v, sizeof v);
+  return out;
+}
+
+// Leading dims flattened; a view when strides allow, a copy otherwise.
+Tensor as_2d(const Tensor &x, int64_t K) {
+  return torch::stable::reshape(x, {x.numel() / (K > 0 ? K : 1), K});
+}
+
+Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
+  const ulb_header h = check_packed(packed, "linear");
+  check_cpu(x, "linear", "input");
+  const ulb_dtype xdt = act_dtype(x, "linear", "input");
+  STD_TORCH_CHECK(x.dim() >= 1, "ulb.linear: input must have at least 1 dim");
+  const int64_t K = x.size(x.dim() - 1);
+  STD_TORCH_CHECK(K == h.K, "ulb.linear: input has ", K, " features but the packed weight expects ",
+                  h.K);
+  STD_TORCH_CHECK(out_features == h.M, "ulb.linear: out_features=", out_features,
+                  " but the packed weight has ", h.M, " rows");
+  ulb_dtype bdt = ULB_DT_F32;
+  const void *bptr = nullptr;
+  Tensor b;
+  if (bias.has_value()) {
+    b = torch::stable::contiguous(*bias);
+    check_cpu(b, "linear", "bias");
+    bdt = act_dtype(b, "linear", "bias");
+    STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == h.M, "ulb.linear: bias must have shape [", h.M, "]");
+    bptr = b.const_data_ptr();
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = h.M;
+  Tensor y = new_tensor(shape, x.scalar_type());
+  const Tensor x2 = as_2d(x, K);
+  const int64_t N = x2.size(0);
+  if (N == 0) return y;
+  check_ok(ulb_linear(blob_ptr(packed), packed.numel(), N, x2.const_data_ptr(), xdt, x2.stride(0),
+                      x2.stride(1), bptr, bdt, y.mutable_data_ptr(), xdt, h.M,
+                      static_cast<int>(torch::stable::get_num_threads())),
+           "linear");
+  return y;
+}
+
+std::tuple<Tensor, Tensor, Tensor> quantize_act(Tensor x, Tensor packed) {
+  const ulb_header h = check_packed(packed, "quantize_act");
+  check_cpu(x, "quantize_act", "input");
+  const ulb_dtype xdt = act_dtype(x, "quantize_act", "input");
+  STD_TORCH_CHECK(x.dim() == 2 && x.size(1) == h.K, "ulb.quantize_act: input must be [N, ", h.K, "]");
+  const int64_t N = x.size(0);
+  Tensor xq = new_tensor({N, h.K_pad}, ScalarType::Char);
+  Tensor xs = new_tensor({N}, ScalarType::Float);
+  Tensor xsum = new_tensor({N, h.n_groups}, ScalarType::Int);
+  check_ok(ulb_quantize_act(N, h.K, h.K_pad, h.group_size, x.const_data_ptr(), xdt, x.stride(0),
+                            x.stride(1), static_cast<int8_t *>(xq.mutable_data_ptr()),
+                            static_cast<float *>(xs.mutable_data_ptr()),
+                            static_cast<int32_t *>(xsum.mutable_data_ptr())),
+           "quantize_act");
+  return std::make_tuple(xq, xs, xsum);
+}
+
+Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
+  const ulb_header h = check_packed(packed, "int_dots");
+  check_cpu(xq, "int_dots", "xq");
+  STD_TORCH_CHECK(xq.scalar_type() == ScalarType::Char && xq.dim() == 2 && xq.size(1) == h.K_pad,
+                  "ulb.int_dots: xq must be int8 [N, ", h.K_pad, "]");
+  STD_TORCH_CHECK(xsum.scalar_type() == ScalarType::Int && xsum.dim() == 2 &&
+                      xsum.size(0) == xq.size(0) && xsum.size(1) == h.n_groups,
+                  "ulb.int_dots: xsum must be int32 [N, ", h.n_groups, "]");
+  xq = torch::stable::contiguous(xq);
+  xsum = torch::stable::contiguous(xsum);
+  const int64_t N = xq.size(0);
+  Tensor out = new_tensor({N, h.M, h.n_groups}, ScalarType::Int);
+  check_ok(ulb_int_dots(blob_ptr(packed), packed.numel(), N, static_cast<const int8_t *>(xq.const_data_ptr()),
+                        static_cast<const int32_t *>(xsum.const_data_ptr()),
+                        static_cast<int32_t *>(out.mutable_data_ptr())),
+           "int_dots");
+  return out;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(ulb, m) {
+  m.def("pack(Tensor codes, Tensor scales, int format, int group_size) -> Tensor");
+  m.def("unpack(Tensor packed) -> (Tensor, Tensor)");
+  m.def("packed_info(Tensor packed) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("quantize_act(Tensor x, Tensor packed) -> (Tensor, Tensor, Tensor)");
+  m.def("int_dots(Tensor packed, Tensor xq, Tensor xsum) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
+  m.impl("pack", TORCH_BOX(&pack));
+  m.impl("unpack", TORCH_BOX(&unpack));
+  m.impl("packed_info", TORCH_BOX(&packed_info));
+  m.impl("linear", TORCH_BOX(&linear));
+  m.impl("quantize_act", TORCH_BOX(&quantize_act));
+  m.impl("int_dots", TORCH_BOX(&int_dots));
+}
+
+// Importing ulbtorch._C registers the ops above; the module itself is empty.
+extern "C" PyObject *PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

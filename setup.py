@@ -1,0 +1,47 @@
+"""Build ulbtorch._C: the C kernels (kernels/, a static library) plus one thin
+C++ file of op registrations (csrc/) against the LibTorch stable ABI.
+
+Build with the torch already installed: pip install --no-build-isolation -e .
+"""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+KERNEL_SOURCES = sorted(
+    os.path.relpath(p, ROOT)
+    for d in ("kernels/src", "kernels/ref", "kernels/x86")
+    for p in glob.glob(os.path.join(ROOT, d, "*.c"))
+)
+# Identical rounding on every ISA path needs multiply and add kept separate.
+KERNEL_CFLAGS = ["-O3", "-std=c11", "-fPIC", "-D_GNU_SOURCE", "-ffp-contract=off", "-Wall"]
+
+setup(
+    libraries=[
+        (
+            "ulbkernels",
+            {"sources": KERNEL_SOURCES, "include_dirs": ["kernels/include"], "cflags": KERNEL_CFLAGS},
+        )
+    ],
+    ext_modules=[
+        CppExtension(
+            "ulbtorch._C",
+            ["csrc/ops.cpp"],
+            include_dirs=[os.path.join(ROOT, "kernels/include")],
+            extra_compile_args={
+                "cxx": [
+                    "-O2",
+                    "-DPy_LIMITED_API=0x03090000",
+                    # Stable ABI of torch 2.10: one build serves any newer torch.
+                    "-DTORCH_TARGET_VERSION=0x020a000000000000",
+                ]
+            },
+            extra_link_args=["-lpthread"],
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
