@@ -1,0 +1,10 @@
+"""ulbtorch: 1-bit, ternary and 2-bit weights at memory speed on CPUs."""
+from . import ops, runtime
+from .formats import FORMATS, get_format
+from .nn import Linear1Bit, Linear2Bit, LinearTernary, LowBitLinear
+from .quantize import QuantConfig, quantize_
+from .serialization import load_quantized, save_quantized
+
+__version__ = "0.1.0"
+__all__ = ["ops", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "LinearTernary",
+           "LowBitLinear", "QuantConfig", "quantize_", "save_quantized", "load_quantized"]

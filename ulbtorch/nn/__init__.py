@@ -1,0 +1,3 @@
+from .linear import MODULE_FOR_FORMAT, Linear1Bit, Linear2Bit, LinearTernary, LowBitLinear
+
+__all__ = ["LowBitLinear", "Linear1Bit", "Linear2Bit", "LinearTernary", "MODULE_FOR_FORMAT"]

@@ -1,0 +1,71 @@
+"""Weight formats: names, bit widths and the affine map from code to level.
+
+A code q (unsigned, `bits` wide) stands for the integer level a*q + b; the
+weight is scale * level. This table mirrors kernels/src/format.c; the C side
+is the authority and the tests check the two agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    id: int
+    bits: int
+    level_a: int
+    level_b: int
+    max_code: int
+
+    @property
+    def levels(self) -> torch.Tensor:
+        q = torch.arange(self.max_code + 1)
+        return self.level_a * q + self.level_b
+
+    def codes_to_levels(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.level_a * codes.to(torch.int32) + self.level_b
+
+    def levels_to_codes(self, levels: torch.Tensor) -> torch.Tensor:
+        """Exact inverse of codes_to_levels; levels must lie on the grid."""
+        q = (levels.to(torch.int32) - self.level_b) // self.level_a
+        return q.to(torch.uint8)
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("int2", 1, 2, 1, -2, 3),       # {-2, -1, 0, 1}
+        Format("int2_sym", 2, 2, 2, -3, 3),   # {-3, -1, 1, 3} = 2 x {-1.5, -0.5, 0.5, 1.5}
+        Format("ternary", 3, 2, 1, -1, 2),    # {-1, 0, 1}
+        Format("binary", 4, 1, 2, -1, 1),     # {-1, 1}
+    )
+}
+FORMATS_BY_ID = {f.id: f for f in FORMATS.values()}
+
+
+def get_format(name: str | Format) -> Format:
+    if isinstance(name, Format):
+        return name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown weight format {name!r}; known: {sorted(FORMATS)}") from None
+
+
+K_BLOCK = 16
+
+
+def normalize_group_size(group_size: int | None, in_features: int) -> int:
+    """0 means one group per row. Group sizes must be multiples of 16."""
+    if group_size is None or group_size <= 0 or group_size >= in_features:
+        return 0
+    if group_size % K_BLOCK:
+        raise ValueError(f"group_size must be a positive multiple of {K_BLOCK}, got {group_size}")
+    return int(group_size)
+
+
+def n_groups(group_size: int, in_features: int) -> int:
+    return 1 if group_size == 0 else -(-in_features // group_size)

@@ -1,0 +1,164 @@
+"""Linear layers with packed 1-bit, ternary and 2-bit weights.
+
+On CPU the forward pass is one call of torch.ops.ulb.linear (int8 activations
+per token, packed weights streamed by the C kernels). On any other device the
+layer runs the same arithmetic in plain PyTorch from a dequantised copy of
+the weight cached per device.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..formats import get_format, n_groups, normalize_group_size
+from ..quantizers import quantize_weight
+
+
+class LowBitLinear(nn.Module):
+    """Common base: one packed uint8 buffer holds codes, scales and a header."""
+
+    FORMATS: tuple[str, ...] = ()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 format: str | None = None, group_size: int = 0, granularity: str | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        fmt = get_format(format or self.FORMATS[0])
+        if fmt.name not in self.FORMATS:
+            raise ValueError(f"{type(self).__name__} takes formats {self.FORMATS}, got {fmt.name!r}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.format = fmt.name
+        self.group_size = normalize_group_size(group_size, in_features)
+        self.granularity = granularity or ("group" if self.group_size else "channel")
+        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.force_reference = False  # run the pure-PyTorch path even on CPU
+        self._dequant_cache: dict[torch.device, torch.Tensor] = {}
+
+    # ---- construction -------------------------------------------------------
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, *, format: str | None = None,
+                   group_size: int = 0, bias: torch.Tensor | None = None,
+                   granularity: str | None = None) -> "LowBitLinear":
+        M, K = codes.shape
+        layer = cls(K, M, bias is not None, format=format, group_size=group_size,
+                    granularity=granularity)
+        layer.packed = ops.pack(codes, scales, layer.format, layer.group_size)
+        if bias is not None:
+            layer.bias.data = bias.detach().clone()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, format: str | None = None, group_size: int = 0,
+                    granularity: str | None = None, method: str | None = None) -> "LowBitLinear":
+        """Round-to-nearest quantisation of an nn.Linear (see ulbtorch.quantizers)."""
+        fmt = format or cls.FORMATS[0]
+        gs = normalize_group_size(group_size, linear.in_features)
+        granularity = granularity or ("group" if gs else "channel")
+        codes, scales = quantize_weight(linear.weight, fmt, gs, granularity, method)
+        layer = cls.from_codes(codes, scales, format=fmt, group_size=gs if granularity == "group" else 0,
+                               bias=linear.bias, granularity=granularity)
+        return layer.to(linear.weight.device)
+
+    # ---- inspection ---------------------------------------------------------
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._require_packed()
+        return ops.unpack(self.packed)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] the kernel effectively multiplies by."""
+        codes, scales = self.unpack()
+        return ops.dequantize(codes, scales, self.format, self.group_size)
+
+    def extra_repr(self) -> str:
+        gs = f"group_size={self.group_size}" if self.group_size else f"scale={self.granularity}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.format}, {gs}")
+
+    # ---- forward ------------------------------------------------------------
+    def _require_packed(self):
+        if self.packed.numel() == 0:
+            raise RuntimeError(f"{type(self).__name__} has no packed weights: build it with from_linear/"
+                               "from_codes or load a state_dict")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, "
+                             f"got input of shape {tuple(x.shape)}")
+        if x.device.type == "cpu" and not self.force_reference:
+            dtype = x.dtype
+            xin = x if dtype in (torch.float32, torch.bfloat16) else x.float()
+            bias = self.bias
+            if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
+                bias = bias.float()
+            y = torch.ops.ulb.linear(xin, self.packed, bias, self.out_features)
+            return y if y.dtype == dtype else y.to(dtype)
+        return self._reference_forward(x)
+
+    def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._dequant_cache.get(x.device)
+        if w is None:
+            self._require_packed()
+            w = self.dequantize().to(x.device)
+            self._dequant_cache = {x.device: w}
+        xq = ops.fake_quantize_activations(x)
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(xq, w, bias).to(x.dtype)
+
+    # ---- state dict -----------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "packed"
+        if key in state_dict:
+            blob = state_dict[key]
+            try:
+                info = ops.packed_info(blob)
+            except (TypeError, RuntimeError) as e:
+                error_msgs.append(f"{key}: {e}")
+                return
+            expect = dict(format=self.format, out_features=self.out_features,
+                          in_features=self.in_features, group_size=self.group_size)
+            got = {k: info[k] for k in expect}
+            if got != expect:
+                error_msgs.append(f"{key}: packed weight is {got}, but the layer is {expect}")
+                return
+            # The blob's size depends on the format; adopt it whole.
+            self.packed = blob.detach().clone().to(self.packed.device)
+            self._dequant_cache = {}
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        self._dequant_cache = {}
+        return super()._apply(fn, recurse)
+
+
+class Linear2Bit(LowBitLinear):
+    """2-bit weights: "int2_sym" levels {-1.5,-0.5,0.5,1.5} x scale (default) or
+    "int2" levels {-2,-1,0,1} x scale."""
+    FORMATS = ("int2_sym", "int2")
+
+
+class LinearTernary(LowBitLinear):
+    """Ternary {-1,0,1} x scale, 2 bits per weight. With one per-tensor scale
+    and per-token int8 activations this is BitNet b1.58's forward exactly."""
+    FORMATS = ("ternary",)
+
+
+class Linear1Bit(LowBitLinear):
+    """Binary {-1,+1} x scale, 1 bit per weight."""
+    FORMATS = ("binary",)
+
+
+MODULE_FOR_FORMAT = {"int2_sym": Linear2Bit, "int2": Linear2Bit, "ternary": LinearTernary,
+                     "binary": Linear1Bit}

@@ -1,0 +1,105 @@
+"""Python face of torch.ops.ulb: argument checks with clear errors, fake
+(meta) implementations for torch.compile, and the pure-PyTorch reference
+that defines what every kernel computes."""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.ulb.*)
+from .formats import FORMATS_BY_ID, Format, get_format, n_groups, normalize_group_size
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@torch.library.register_fake("ulb::linear")
+def _linear_fake(x, packed, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _check_packed(packed: torch.Tensor) -> None:
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise TypeError(
+            "packed weight must be the 1-D uint8 tensor returned by ulbtorch.ops.pack, got "
+            f"{getattr(packed, 'dtype', type(packed))} of shape {tuple(getattr(packed, 'shape', ()))}"
+        )
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_size: int | None = None
+         ) -> torch.Tensor:
+    """Pack codes [M, K] (uint8) and scales [M, n_groups] into one blob."""
+    fmt = get_format(format)
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be 2-D [out_features, in_features], got shape {tuple(codes.shape)}")
+    M, K = codes.shape
+    gs = normalize_group_size(group_size, K)
+    scales = scales.detach().to(torch.float32)
+    if scales.dim() == 1:
+        scales = scales.reshape(-1, 1)
+    if scales.numel() == 1:
+        scales = scales.reshape(1, 1).expand(M, 1)
+    G = n_groups(gs, K)
+    if tuple(scales.shape) != (M, G):
+        raise ValueError(f"scales must have shape ({M}, {G}) for group_size={group_size}, got {tuple(scales.shape)}")
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if codes.numel() and int(codes.max()) > fmt.max_code:
+        raise ValueError(f"codes exceed {fmt.max_code}, the largest code of format {fmt.name!r}")
+    return torch.ops.ulb.pack(codes.detach().cpu(), scales.cpu(), fmt.id, gs)
+
+
+def packed_info(packed: torch.Tensor) -> dict:
+    _check_packed(packed)
+    f, M, K, gs, G, M_pad, K_pad = torch.ops.ulb.packed_info(packed.cpu()).tolist()
+    return dict(format=FORMATS_BY_ID[f].name, out_features=M, in_features=K,
+                group_size=0 if gs >= K_pad else gs, n_groups=G, M_pad=M_pad, K_pad=K_pad)
+
+
+def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack: (codes [M, K] uint8, scales [M, n_groups] float32)."""
+    _check_packed(packed)
+    return torch.ops.ulb.unpack(packed.cpu())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """y = x W^T + b with W the packed weight, activations int8 per token."""
+    if x.device.type != "cpu":
+        raise ValueError(f"ulbtorch.ops.linear runs on CPU; input is on {x.device} "
+                         "(the nn modules fall back to pure PyTorch there)")
+    if x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"input must be float32 or bfloat16, got {x.dtype}")
+    return torch.ops.ulb.linear(x, packed, bias, out_features)
+
+
+# ---- pure-PyTorch reference -------------------------------------------------
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token absmax int8 (BitNet's rule, fp32): returns (q as float, scale)
+    with x ~= q * scale; bit-identical to the kernels' quantiser."""
+    xf = x.float()
+    inv = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    q = (xf * inv).round().clamp(-128, 127)
+    return q, 1.0 / inv
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_activations(x)
+    return q * s
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_size: int = 0
+               ) -> torch.Tensor:
+    """Float32 weight [M, K] that the kernels multiply by."""
+    fmt = get_format(format)
+    K = codes.shape[1]
+    levels = fmt.codes_to_levels(codes).to(torch.float32)
+    gs = normalize_group_size(group_size, K) or K
+    s = scales.to(torch.float32).repeat_interleave(gs, dim=1)[:, :K]
+    return levels * s
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernels compute, in plain PyTorch: int8-quantised activations
+    times the dequantised weight, output in the input's dtype."""
+    y = torch.nn.functional.linear(fake_quantize_activations(x), weight.float(),
+                                   None if bias is None else bias.float())
+    return y.to(x.dtype)

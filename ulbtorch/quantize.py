@@ -1,0 +1,82 @@
+"""One call to turn the nn.Linear layers of a model into low-bit layers."""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from .formats import FORMATS
+from .nn import MODULE_FOR_FORMAT
+
+_BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
+                   "ternary": "ternary", 2: "int2_sym", "2": "int2_sym"}
+
+
+@dataclass
+class QuantConfig:
+    """What quantize_ does.
+
+    bits: 1, "ternary" (or 1.58) or 2. format: an explicit format name
+    ("int2_sym", "int2", "ternary", "binary") overriding bits.
+    group_size: 0 for one scale per output channel, else a multiple of 16.
+    granularity: "channel", "group" or "tensor" (default from group_size).
+    method: "absmax", "absmean" or "mse" (default per format, see quantizers).
+    include / exclude: fnmatch patterns on module names; exclude wins.
+    """
+    bits: int | float | str = 2
+    format: str | None = None
+    group_size: int = 0
+    granularity: str | None = None
+    method: str | None = None
+    include: list[str] = field(default_factory=lambda: ["*"])
+    exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
+
+    def __post_init__(self):
+        if self.format is None:
+            if self.bits not in _BITS_TO_FORMAT:
+                raise ValueError(f"bits must be 1, 'ternary'/1.58 or 2, got {self.bits!r}")
+            self.format = _BITS_TO_FORMAT[self.bits]
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; known: {sorted(FORMATS)}")
+        if self.group_size and self.group_size % 16:
+            raise ValueError(f"group_size must be 0 or a multiple of 16, got {self.group_size}")
+        if self.granularity is None:
+            self.granularity = "group" if self.group_size else "channel"
+
+    def selects(self, name: str) -> bool:
+        match = lambda pats: any(fnmatch.fnmatchcase(name, p) for p in pats)  # noqa: E731
+        return match(self.include) and not match(self.exclude)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: bool = False,
+              **kwargs) -> nn.Module:
+    """Replace, in place, every selected nn.Linear of `model` by the low-bit
+    layer of config.format and return the model. kwargs build a QuantConfig
+    when none is given: quantize_(model, bits=2, group_size=128)."""
+    if config is None:
+        config = QuantConfig(**kwargs)
+    elif kwargs:
+        raise TypeError("pass either a QuantConfig or keyword arguments, not both")
+    cls = MODULE_FOR_FORMAT[config.format]
+    targets = [(n, m) for n, m in model.named_modules()
+               if type(m) is nn.Linear and config.selects(n)]
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            targets = tqdm(targets, desc=f"quantize_ {config.format}", unit="layer")
+        except ImportError:
+            pass
+    for name, lin in targets:
+        gs = config.group_size if config.granularity == "group" else 0
+        _replace(model, name, cls.from_linear(lin, format=config.format, group_size=gs,
+                                              granularity=config.granularity, method=config.method))
+    return model

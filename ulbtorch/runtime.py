@@ -1,0 +1,83 @@
+"""Runtime controls of the kernel library: ISA choice and the thread
+scheduler's performance table. Plain C functions of ulbtorch._C, reached with
+ctypes because they move no tensors."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+from . import _C
+
+_lib = ctypes.CDLL(_C.__file__)
+_MAX_THREADS = 64
+ISAS = ("scalar", "avx2", "avx512")
+
+
+class _SchedStats(ctypes.Structure):
+    _fields_ = [
+        ("nthreads", ctypes.c_int),
+        ("calls", ctypes.c_int64),
+        ("ratio", ctypes.c_double * _MAX_THREADS),
+        ("last_us", ctypes.c_double * _MAX_THREADS),
+        ("last_panels", ctypes.c_int64 * _MAX_THREADS),
+    ]
+
+
+_lib.ulb_isa_active.restype = ctypes.c_int
+_lib.ulb_isa_supported.argtypes = [ctypes.c_int]
+_lib.ulb_isa_set.argtypes = [ctypes.c_int]
+_lib.ulb_sched_stats_get.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_SchedStats)]
+_lib.ulb_sched_set_static.argtypes = [ctypes.c_int]
+_lib.ulb_sched_set_slowdown.argtypes = [ctypes.c_int, ctypes.c_double]
+
+
+def get_isa() -> str:
+    return ISAS[_lib.ulb_isa_active()]
+
+
+def supported_isas() -> list[str]:
+    return [name for i, name in enumerate(ISAS) if _lib.ulb_isa_supported(i)]
+
+
+def set_isa(name: str) -> None:
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; choose from {ISAS}")
+    if _lib.ulb_isa_set(ISAS.index(name)) != 0:
+        raise RuntimeError(f"ISA {name!r} is not supported on this CPU (supported: {supported_isas()})")
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Run the enclosed calls on one ISA's kernels (tests and benchmarks)."""
+    previous = get_isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(previous)
+
+
+def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
+    """The work-split table of one kernel family: per-thread share of rows,
+    last measured time (us) and last number of 64-row panels."""
+    st = _SchedStats()
+    if _lib.ulb_sched_stats_get(bits, ISAS.index(isa or get_isa()), ctypes.byref(st)) != 0:
+        raise ValueError(f"no scheduler table for bits={bits}")
+    n = st.nthreads
+    return dict(nthreads=n, calls=st.calls, ratio=list(st.ratio[:n]),
+                last_us=list(st.last_us[:n]), last_panels=list(st.last_panels[:n]))
+
+
+def scheduler_reset() -> None:
+    _lib.ulb_sched_reset()
+
+
+def scheduler_static(on: bool) -> None:
+    """True: split rows equally (no adaptation), for comparisons."""
+    _lib.ulb_sched_set_static(int(on))
+
+
+def set_thread_slowdown(tid: int, factor: float) -> None:
+    """Testing knob: make pool thread `tid` take `factor` times as long."""
+    if _lib.ulb_sched_set_slowdown(tid, float(factor)) != 0:
+        raise ValueError(f"invalid slowdown tid={tid} factor={factor}")

@@ -1,0 +1,66 @@
+"""Our checkpoint format: model.safetensors (packed blobs as uint8 tensors,
+everything else as is) plus ulbtorch.json listing each low-bit layer, so a
+model built from its config loads back bit-exactly without re-quantising."""
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from .nn import MODULE_FOR_FORMAT, LowBitLinear
+
+MANIFEST = "ulbtorch.json"
+WEIGHTS = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+def quantized_layers(model: nn.Module) -> dict[str, dict]:
+    return {name: dict(format=m.format, in_features=m.in_features, out_features=m.out_features,
+                       bias=m.bias is not None, group_size=m.group_size, granularity=m.granularity)
+            for name, m in model.named_modules() if isinstance(m, LowBitLinear)}
+
+
+def save_quantized(model: nn.Module, directory: str) -> None:
+    """Write the model's weights and the list of its low-bit layers."""
+    layers = quantized_layers(model)
+    if not layers:
+        raise ValueError("model has no ulbtorch low-bit layers; run ulbtorch.quantize_ first")
+    os.makedirs(directory, exist_ok=True)
+    save_model(model, os.path.join(directory, WEIGHTS), metadata={"format": "pt", "ulbtorch": str(FORMAT_VERSION)})
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"version": FORMAT_VERSION, "layers": layers}, f, indent=1)
+
+
+def load_quantized(model: nn.Module, directory: str) -> nn.Module:
+    """Swap the layers named in the manifest for empty low-bit layers, then
+    load all weights. `model` is the float architecture (e.g. from_config)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: not a directory written by ulbtorch.save_quantized")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported ulbtorch checkpoint version {manifest.get('version')}")
+    for name, spec in manifest["layers"].items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{path}: layer {name!r} does not exist in the model") from None
+        if spec["format"] not in MODULE_FOR_FORMAT:
+            raise ValueError(f"{path}: layer {name!r} has unknown format {spec['format']!r}")
+        if isinstance(old, nn.Linear) and (old.in_features, old.out_features) != (spec["in_features"], spec["out_features"]):
+            raise ValueError(f"{path}: layer {name!r} is {old.in_features}->{old.out_features} in the model "
+                             f"but {spec['in_features']}->{spec['out_features']} in the checkpoint")
+        cls = MODULE_FOR_FORMAT[spec["format"]]
+        new = cls(spec["in_features"], spec["out_features"], spec["bias"], format=spec["format"],
+                  group_size=spec["group_size"], granularity=spec["granularity"])
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    missing, unexpected = load_model(model, os.path.join(directory, WEIGHTS), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return model
