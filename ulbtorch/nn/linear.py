@@ -128,13 +128,10 @@ class LowBitLinear(nn.Module):
             if got != expect:
                 error_msgs.append(f"{key}: packed weight is {got}, but the layer is {expect}")
                 return
-            # The blob's size depends on the format; adopt it whole.
-            self.packed = blob.detach().clone().to(self.packed.device)
+            # The blob's size depends on the shape and format: resize, then let
+            # nn.Module copy it in as usual.
+            self.packed = torch.empty_like(blob, device=self.packed.device)
             self._dequant_cache = {}
-            state_dict = {k: v for k, v in state_dict.items() if k != key}
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
-            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
