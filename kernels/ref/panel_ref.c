@@ -16,7 +16,7 @@ void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_act
                 const int64_t k1 = (g + 1) * gs < w->K_pad ? (g + 1) * gs : w->K_pad;
                 int32_t qx = 0;
                 for (int64_t k = g * gs; k < k1; k++)
-                    qx += (int32_t)ulb_code_get(w->codes, w->bits, w->K_pad, m, k) * x[k];
+                    qx += (int32_t)ulb_code_get(w->codes, w->bits, w->M_pad, w->K_pad, m, k) * x[k];
                 /* sum_k (a q_k + b) x_k = a sum q x + b sum x */
                 const int32_t dot = w->level_a * qx + w->level_b * xsum[g];
                 const float term = w->scales[g * w->M_pad + m] * (float)dot;

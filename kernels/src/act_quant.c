@@ -1,40 +1,58 @@
-/* Per-token absmax int8 activation quantisation (BitNet's rule) and the
- * fp32 <-> bf16 conversions of the epilogue. */
+/* Per-token absmax int8 activation quantisation (BitNet's rule). The scalar
+ * reference is here; SIMD versions of one contiguous row are in x86/. */
 #include <math.h>
 #include <string.h>
 
-#include "internal.h"
 #include "dtype.h"
+#include "internal.h"
+
+void ulb_quant_tail_ref(const void *x, ulb_dtype dt, int64_t k0, int64_t K, float inv, int8_t *q) {
+    for (int64_t k = k0; k < K; k++) {
+        float r = rintf(ulb_load_elem(x, dt, k) * inv);
+        r = fminf(fmaxf(r, -128.0f), 127.0f);
+        q[k] = (int8_t)r;
+    }
+}
+
+/* inv = 127 / max(max|x|, 1e-5); q = clamp(rint(x * inv), -128, 127).
+ * Returns inv, or NaN (q untouched) when the row holds NaN or infinity. */
+static float quant_row_strided(const void *x, ulb_dtype dt, int64_t K, int64_t incx, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        const float v = ulb_load_elem(x, dt, k * incx);
+        if (isnan(v)) return NAN;
+        amax = fmaxf(amax, fabsf(v));
+    }
+    if (!isfinite(amax)) return NAN;
+    const float inv = 127.0f / fmaxf(amax, 1e-5f);
+    for (int64_t k = 0; k < K; k++) {
+        float r = rintf(ulb_load_elem(x, dt, k * incx) * inv);
+        r = fminf(fmaxf(r, -128.0f), 127.0f);
+        q[k] = (int8_t)r;
+    }
+    return inv;
+}
+
+float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int8_t *q) {
+    return quant_row_strided(x, dt, K, 1, q);
+}
 
 ulb_status ulb_quantize_act(int64_t N, int64_t K, int64_t K_pad, int64_t group_size,
                             const void *x, ulb_dtype dt, int64_t ldx, int64_t incx,
                             int8_t *xq, float *xscale, int32_t *xsum) {
     if (N < 0 || K <= 0 || K_pad < K || group_size <= 0) return ULB_ERR_SHAPE;
     if (dt != ULB_DT_F32 && dt != ULB_DT_BF16) return ULB_ERR_DTYPE;
+    const ulb_quant_row_fn quant_row = ulb_quant_row_for_isa(ulb_isa_active());
+    const size_t esize = dt == ULB_DT_F32 ? 4 : 2;
     const int64_t n_groups = (K_pad + group_size - 1) / group_size;
     for (int64_t n = 0; n < N; n++) {
-        const int64_t row = n * ldx;
-        float amax = 0.0f;
-        int finite = 1;
-        for (int64_t k = 0; k < K; k++) {
-            const float v = ulb_load_elem(x, dt, row + k * incx);
-            if (!isfinite(v)) finite = 0;
-            amax = fmaxf(amax, fabsf(v));
-        }
+        const void *row = (const char *)x + (size_t)(n * ldx) * esize;
         int8_t *q = xq + n * K_pad;
-        memset(q, 0, (size_t)K_pad);
-        if (!finite) {
-            /* Propagate like F.linear would: the whole output row is NaN. */
-            xscale[n] = NAN;
-        } else {
-            const float inv = 127.0f / fmaxf(amax, 1e-5f);
-            for (int64_t k = 0; k < K; k++) {
-                float r = rintf(ulb_load_elem(x, dt, row + k * incx) * inv);
-                r = fminf(fmaxf(r, -128.0f), 127.0f);
-                q[k] = (int8_t)r;
-            }
-            xscale[n] = 1.0f / inv;
-        }
+        const float inv = incx == 1 ? quant_row(row, dt, K, q) : quant_row_strided(row, dt, K, incx, q);
+        /* A row with NaN or infinity gives a NaN output row, as F.linear would. */
+        if (isnan(inv)) memset(q, 0, (size_t)K);
+        memset(q + K, 0, (size_t)(K_pad - K));
+        xscale[n] = isnan(inv) ? NAN : 1.0f / inv;
         for (int64_t g = 0; g < n_groups; g++) {
             const int64_t k1 = (g + 1) * group_size < K_pad ? (g + 1) * group_size : K_pad;
             int32_t s = 0;

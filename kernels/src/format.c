@@ -33,8 +33,9 @@ const char *ulb_status_str(ulb_status s) {
     return "unknown error";
 }
 
-/* Dots are int32: |level| <= 3 and |xq| <= 128, so K up to 2^22 cannot overflow. */
-#define ULB_MAX_K (1LL << 22)
+/* Accumulators are int32 and the one-token AVX-512 kernel keeps 64 * sum q x
+ * per group: 64 * 3 * 128 * 65536 < 2^31. */
+#define ULB_MAX_K (1LL << 16)
 #define ULB_MAX_M (1LL << 26)
 
 typedef struct {
@@ -92,7 +93,7 @@ ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
         for (int64_t k = 0; k < K; k++) {
             int64_t byte;
             int shift;
-            ulb_code_pos(fi->bits, g.K_pad, m, k, &byte, &shift);
+            ulb_code_pos(fi->bits, g.M_pad, g.K_pad, m, k, &byte, &shift);
             area[byte] |= (uint8_t)(codes[m * ldc + k] << shift);
         }
     float *sc = (float *)(blob + g.scales_offset);
@@ -143,7 +144,7 @@ ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float
     if (st != ULB_OK) return st;
     for (int64_t m = 0; m < w.M; m++) {
         for (int64_t k = 0; k < w.K; k++)
-            codes[m * w.K + k] = (uint8_t)ulb_code_get(w.codes, w.bits, w.K_pad, m, k);
+            codes[m * w.K + k] = (uint8_t)ulb_code_get(w.codes, w.bits, w.M_pad, w.K_pad, m, k);
         for (int64_t g = 0; g < w.n_groups; g++)
             scales[m * w.n_groups + g] = w.scales[g * w.M_pad + m];
     }

@@ -8,7 +8,6 @@
 /* Columns (tokens) one microkernel call handles: weights unpacked once serve
  * this many activation vectors. */
 #define ULB_NB_MAX 4
-#define ULB_PANEL_TILES (ULB_PANEL_ROWS / ULB_TILE)
 
 typedef struct {
     int bits, level_a, level_b;
@@ -42,6 +41,15 @@ void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_ac
                     int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                       int64_t n0, int nb, float *facc, int32_t *dots);
+
+/* Quantise one contiguous activation row to int8; returns inv = 127/absmax
+ * (NaN if the row is not finite). Every ISA gives the same bits. */
+typedef float (*ulb_quant_row_fn)(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
+float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
+float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
+float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
+void ulb_quant_tail_ref(const void *x, ulb_dtype dt, int64_t k0, int64_t K, float inv, int8_t *q);
+ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa);

@@ -64,3 +64,13 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     default: return ulb_panel_ref;
     }
 }
+
+ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
+    switch (isa) {
+#if defined(__x86_64__)
+    case ULB_ISA_AVX512: return ulb_quant_row_avx512;
+    case ULB_ISA_AVX2: return ulb_quant_row_avx2;
+#endif
+    default: return ulb_quant_row_ref;
+    }
+}

@@ -57,18 +57,13 @@ typedef struct {
     int64_t ldy;
 } linear_job;
 
-static int panel_tiles(const ulb_weight *w, int64_t panel) {
-    const int64_t left = w->M_pad / ULB_TILE - panel * ULB_PANEL_TILES;
-    return left < ULB_PANEL_TILES ? (int)left : ULB_PANEL_TILES;
-}
-
 static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     const linear_job *job = ctx;
     const ulb_weight *w = job->w;
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; p++) {
         const int64_t tile0 = p * ULB_PANEL_TILES;
-        const int ntiles = panel_tiles(w, p);
+        const int ntiles = ulb_panel_ntiles(w->M_pad, p);
         const int64_t m0 = tile0 * ULB_TILE;
         const int64_t rows = w->M - m0 < ntiles * ULB_TILE ? w->M - m0 : ntiles * ULB_TILE;
         for (int64_t n0 = 0; n0 < job->N; n0 += ULB_NB_MAX) {
@@ -130,7 +125,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
         const int64_t m0 = p * ULB_PANEL_ROWS;
         for (int64_t n0 = 0; n0 < N; n0 += ULB_NB_MAX) {
             const int nb = N - n0 < ULB_NB_MAX ? (int)(N - n0) : ULB_NB_MAX;
-            fn(&w, p * ULB_PANEL_TILES, panel_tiles(&w, p), &acts, n0, nb, facc, pd);
+            fn(&w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w.M_pad, p), &acts, n0, nb, facc, pd);
             for (int j = 0; j < nb; j++)
                 for (int64_t r = 0; r < ULB_PANEL_ROWS && m0 + r < w.M; r++)
                     for (int64_t g = 0; g < G; g++)

@@ -46,77 +46,112 @@ ALWAYS_INLINE void unpack_half(const uint8_t *tp, int h, const int bits, __m256i
     }
 }
 
-ALWAYS_INLINE void tile_body(const ulb_weight *w, int64_t tile, int t, const ulb_acts *a,
-                             int64_t n0, float *facc, int32_t *dots, const int nb,
-                             const int bits) {
+/* Tiles [t0, t0 + tc) of the panel at `base` (nt tiles per k-step), nb
+ * tokens. One token takes all tiles of a k-step at once, reading the panel as
+ * the single stream it is; several tokens take one tile at a time so their
+ * accumulators stay in the 16 registers. */
+ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, int t0,
+                              const int tc, const ulb_acts *a, int64_t n0, float *facc,
+                              int32_t *dots, int64_t tile0, const int nb, const int bits) {
     const int64_t tb = ulb_tile_bytes(bits);
-    const uint8_t *base = w->codes + tile * w->ksteps * tb;
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
     const __m256i ones16 = _mm256_set1_epi16(1);
     const __m256i va = _mm256_set1_epi32(w->level_a);
-    __m256 f[ULB_NB_MAX][2];
+    __m256 f[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
-    for (int j = 0; j < nb; j++) f[j][0] = f[j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++)
+#pragma GCC unroll 4
+        for (int t = 0; t < tc; t++) f[j][t][0] = f[j][t][1] = _mm256_setzero_ps();
 
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
         const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
-        __m256i acc[ULB_NB_MAX][2];
+        __m256i acc[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
-        for (int j = 0; j < nb; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+        for (int j = 0; j < nb; j++)
+#pragma GCC unroll 4
+            for (int t = 0; t < tc; t++) acc[j][t][0] = acc[j][t][1] = _mm256_setzero_si256();
         for (int64_t ks = ks0; ks < ks1; ks++) {
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                __m256i u[4];
-                unpack_half(base + ks * tb, h, bits, u);
 #pragma GCC unroll 4
-                for (int j = 0; j < nb; j++) {
-                    const int8_t *xk = x[j] + ks * ULB_TILE;
-                    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], bcast4(xk)),
-                                                         _mm256_maddubs_epi16(u[1], bcast4(xk + 4)));
-                    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], bcast4(xk + 8)),
-                                                         _mm256_maddubs_epi16(u[3], bcast4(xk + 12)));
-                    acc[j][h] = _mm256_add_epi32(
-                        acc[j][h], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), ones16));
+            for (int t = 0; t < tc; t++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    __m256i u[4];
+                    unpack_half(base + (ks * nt + t0 + t) * tb, h, bits, u);
+#pragma GCC unroll 4
+                    for (int j = 0; j < nb; j++) {
+                        const int8_t *xk = x[j] + ks * ULB_TILE;
+                        const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], bcast4(xk)),
+                                                             _mm256_maddubs_epi16(u[1], bcast4(xk + 4)));
+                        const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], bcast4(xk + 8)),
+                                                             _mm256_maddubs_epi16(u[3], bcast4(xk + 12)));
+                        acc[j][t][h] = _mm256_add_epi32(
+                            acc[j][t][h], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), ones16));
+                    }
                 }
-            }
         }
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++) {
             const __m256i vb =
                 _mm256_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
+#pragma GCC unroll 4
+            for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][h], va), vb);
-                const __m256 s = _mm256_loadu_ps(w->scales + g * w->M_pad + tile * ULB_TILE + 8 * h);
-                f[j][h] = _mm256_add_ps(f[j][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
-                if (dots)
-                    _mm256_storeu_si256(
-                        (__m256i *)(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + t * ULB_TILE + 8 * h),
-                        dot);
-            }
+                for (int h = 0; h < 2; h++) {
+                    const int64_t r = (t0 + t) * ULB_TILE + 8 * h; /* row within the panel */
+                    const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][t][h], va), vb);
+                    const __m256 s = _mm256_loadu_ps(w->scales + g * w->M_pad + tile0 * ULB_TILE + r);
+                    f[j][t][h] = _mm256_add_ps(f[j][t][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
+                    if (dots)
+                        _mm256_storeu_si256(
+                            (__m256i *)(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + r), dot);
+                }
         }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < nb; j++)
+#pragma GCC unroll 4
+        for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + t * ULB_TILE + 8 * h, f[j][h]);
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + (t0 + t) * ULB_TILE + 8 * h, f[j][t][h]);
 }
 
-#define ULB_CASE(BITS, NB)                                                                         \
+#define ULB_ONE_TOKEN(BITS, NT)                                                                    \
+    case NT:                                                                                       \
+        tiles_body(w, base, ntiles, 0, NT, a, n0, facc, dots, tile0, 1, BITS);                     \
+        return;
+#define ULB_TOKENS(BITS, NB)                                                                       \
     case NB:                                                                                       \
-        tile_body(w, tile0 + t, t, a, n0, facc, dots, NB, BITS);                                   \
-        break;
+        for (int t = 0; t < ntiles; t++)                                                           \
+            tiles_body(w, base, ntiles, t, 1, a, n0, facc, dots, tile0, NB, BITS);                 \
+        return;
+
+static void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                       int64_t n0, int nb, float *facc, int32_t *dots, const int bits) {
+    const uint8_t *base = w->codes + ulb_panel_offset(bits, w->K_pad, tile0 / ULB_PANEL_TILES);
+    if (nb == 1) {
+        switch (ntiles) { ULB_ONE_TOKEN(bits, 1) ULB_ONE_TOKEN(bits, 2) ULB_ONE_TOKEN(bits, 3) ULB_ONE_TOKEN(bits, 4) }
+    } else {
+        switch (nb) { ULB_TOKENS(bits, 2) ULB_TOKENS(bits, 3) ULB_TOKENS(bits, 4) }
+    }
+}
+
+static void panel_2bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                       int64_t n0, int nb, float *facc, int32_t *dots) {
+    panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 2);
+}
+
+static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                       int64_t n0, int nb, float *facc, int32_t *dots) {
+    panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 1);
+}
 
 void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                     int64_t n0, int nb, float *facc, int32_t *dots) {
-    for (int t = 0; t < ntiles; t++) {
-        if (w->bits == 2) {
-            switch (nb) { ULB_CASE(2, 1) ULB_CASE(2, 2) ULB_CASE(2, 3) ULB_CASE(2, 4) }
-        } else {
-            switch (nb) { ULB_CASE(1, 1) ULB_CASE(1, 2) ULB_CASE(1, 3) ULB_CASE(1, 4) }
-        }
-    }
+    if (w->bits == 2)
+        panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots);
+    else
+        panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots);
 }

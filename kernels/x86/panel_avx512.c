@@ -40,8 +40,7 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
                               float *facc, int32_t *dots, const int nb, const int nt,
                               const int bits) {
     const int64_t tb = ulb_tile_bytes(bits);
-    const int64_t stream = w->ksteps * tb; /* one row of tiles */
-    const uint8_t *base = w->codes + tile0 * stream;
+    const uint8_t *base = w->codes + ulb_panel_offset(bits, w->K_pad, tile0 / ULB_PANEL_TILES);
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
     const __m512i va = _mm512_set1_epi32(w->level_a);
@@ -54,26 +53,43 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
         const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
-        __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], acc_odd[ULB_PANEL_TILES];
+        __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES];
 #pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) {
-            acc_odd[t] = _mm512_setzero_si512();
+        for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
             for (int j = 0; j < nb; j++) acc[j][t] = _mm512_setzero_si512();
-        }
-        for (int64_t ks = ks0; ks < ks1; ks++) {
+        if (nb == 1 && bits == 2) {
+            /* One token: no shifts. Masking field s in place leaves 4^s * q,
+             * so each field gets its own accumulator, scaled back exactly
+             * (an arithmetic shift of a multiple of 4^s) once per group. */
+            __m512i f4[4][ULB_PANEL_TILES];
 #pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                __m512i u[4];
-                unpack_tile(base + t * stream + ks * tb, bits, u);
-                if (nb == 1) {
-                    /* Two chains halve the vpdpbusd latency a lone token waits on. */
-                    const int8_t *xk = x[0] + ks * ULB_TILE;
-                    acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], u[0], bcast4(xk));
-                    acc_odd[t] = _mm512_dpbusd_epi32(acc_odd[t], u[1], bcast4(xk + 4));
-                    acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], u[2], bcast4(xk + 8));
-                    acc_odd[t] = _mm512_dpbusd_epi32(acc_odd[t], u[3], bcast4(xk + 12));
-                } else {
+            for (int t = 0; t < nt; t++)
+                f4[0][t] = f4[1][t] = f4[2][t] = f4[3][t] = _mm512_setzero_si512();
+            for (int64_t ks = ks0; ks < ks1; ks++) {
+                const int8_t *xk = x[0] + ks * ULB_TILE;
+#pragma GCC unroll 4
+                for (int s = 0; s < 4; s++) {
+                    const __m512i field = _mm512_set1_epi8((char)(3 << (2 * s)));
+                    const __m512i xb = bcast4(xk + 4 * s);
+#pragma GCC unroll 4
+                    for (int t = 0; t < nt; t++) {
+                        const __m512i v = _mm512_loadu_si512(base + (ks * nt + t) * tb);
+                        f4[s][t] = _mm512_dpbusd_epi32(f4[s][t], _mm512_and_si512(v, field), xb);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++)
+                acc[0][t] = _mm512_add_epi32(
+                    _mm512_add_epi32(f4[0][t], _mm512_srai_epi32(f4[1][t], 2)),
+                    _mm512_add_epi32(_mm512_srai_epi32(f4[2][t], 4), _mm512_srai_epi32(f4[3][t], 6)));
+        } else {
+            for (int64_t ks = ks0; ks < ks1; ks++) {
+#pragma GCC unroll 4
+                for (int t = 0; t < nt; t++) {
+                    __m512i u[4];
+                    unpack_tile(base + (ks * nt + t) * tb, bits, u);
 #pragma GCC unroll 4
                     for (int j = 0; j < nb; j++) {
                         const int8_t *xk = x[j] + ks * ULB_TILE;
@@ -90,8 +106,7 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
                 _mm512_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
-                __m512i qx = nb == 1 ? _mm512_add_epi32(acc[0][t], acc_odd[t]) : acc[j][t];
-                const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(qx, va), vb);
+                const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(acc[j][t], va), vb);
                 const __m512 s =
                     _mm512_loadu_ps(w->scales + g * w->M_pad + (tile0 + t) * ULB_TILE);
                 f[j][t] = _mm512_add_ps(f[j][t], _mm512_mul_ps(s, _mm512_cvtepi32_ps(dot)));

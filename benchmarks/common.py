@@ -1,0 +1,336 @@
+"""Helpers shared by the ulbtorch benchmarks.
+
+- shapes.json loading (default: ../shared/bench/shapes.json next to the repo)
+- in-process DRAM read bandwidth per thread count
+- cold-rotation sizing (how many distinct matrices so weights stream from DRAM)
+- median timing with warmup
+- aligned tables, optionally written as JSON and/or markdown
+
+Timings on the shared development machines vary from run to run: every script
+measures what it compares in the same process and reports ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+MiB = 1 << 20
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SHAPES = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "bench", "shapes.json"))
+
+# Bits per stored weight of each packed format (storage, not information).
+FORMAT_BITS = {"int2_sym": 2, "int2": 2, "ternary": 2, "binary": 1}
+# Friendly names accepted on the command line.
+FORMAT_ALIASES = {"2": "int2_sym", "2bit": "int2_sym", "int2_sym": "int2_sym", "int2": "int2",
+                  "ternary": "ternary", "1.58": "ternary", "t": "ternary",
+                  "1": "binary", "1bit": "binary", "binary": "binary"}
+
+
+# ---- command line -------------------------------------------------------------
+
+def add_shapes_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help="path to shapes.json (default: ../shared/bench/shapes.json from the repo root)")
+
+
+def parse_list(s: str | None, cast=str) -> list | None:
+    if s is None:
+        return None
+    return [cast(v.strip()) for v in s.split(",") if v.strip()]
+
+
+def parse_formats(s: str) -> list[str]:
+    out = []
+    for f in parse_list(s):
+        if f.lower() not in FORMAT_ALIASES:
+            raise SystemExit(f"unknown format {f!r}; use one of {sorted(set(FORMAT_ALIASES))}")
+        out.append(FORMAT_ALIASES[f.lower()])
+    return out
+
+
+def load_shapes(path: str | None = None) -> dict:
+    path = path or DEFAULT_SHAPES
+    if not os.path.exists(path):
+        raise SystemExit(f"shapes file {path} not found (shared/ should sit beside the repo; "
+                         "or pass --shapes PATH)")
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---- timing -------------------------------------------------------------------
+
+def median_time(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, inner: int = 1) -> float:
+    """Median wall time of one call of fn, in seconds.
+
+    Each sample times `inner` back-to-back calls (use it for calls of a few
+    microseconds so the timer's own cost does not count) and divides.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def calls_per_sample(est_seconds: float, target_s: float = 2e-3, max_calls: int = 10_000) -> int:
+    """How many calls to batch into one timing sample (about target_s each)."""
+    if est_seconds <= 0:
+        return max_calls
+    return int(min(max_calls, max(1, math.ceil(target_s / est_seconds))))
+
+
+class Rotation:
+    """Calls fn(item) on items[0], items[1], ... cyclically, so each call meets
+    weights that the previous len(items)-1 calls have pushed out of cache."""
+
+    def __init__(self, items: Sequence, fn: Callable[[Any], Any]):
+        self.items, self.fn, self.i = items, fn, 0
+
+    def __call__(self):
+        item = self.items[self.i]
+        self.i = self.i + 1 if self.i + 1 < len(self.items) else 0
+        return self.fn(item)
+
+
+def time_rotating(items: Sequence, fn: Callable[[Any], Any], *, reps: int = 15, warmup_passes: int = 1,
+                  min_sample_s: float = 2e-3) -> float:
+    """Median seconds per call of fn over a cold rotation of items.
+
+    Warms up with `warmup_passes` full passes (page faults, thread pool start),
+    then takes `reps` samples of consecutive calls, each sample at least one
+    call and about min_sample_s long.
+    """
+    rot = Rotation(items, fn)
+    for _ in range(max(1, warmup_passes) * len(items)):
+        rot()
+    t0 = time.perf_counter()
+    probe = min(len(items), 8)
+    for _ in range(probe):
+        rot()
+    est = (time.perf_counter() - t0) / probe
+    inner = calls_per_sample(est, min_sample_s)
+    return median_time(rot, reps=reps, warmup=0, inner=inner)
+
+
+def cold_rotation(n_bytes_each: int, total_target: int = 600 * MiB, min_total: int = 256 * MiB,
+                  max_count: int = 1_000_000) -> int:
+    """Number of distinct matrices of n_bytes_each to rotate through so that
+    no call finds its weights in cache (L3 here is 32 MiB): about total_target
+    bytes in all and never less than min_total; at least 2."""
+    n_bytes_each = max(1, int(n_bytes_each))
+    n = math.ceil(total_target / n_bytes_each)
+    n = max(n, math.ceil(min_total / n_bytes_each), 2)
+    return int(min(n, max_count))
+
+
+def replicate(base: Sequence[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """count distinct tensors (separate allocations) cycling over the contents
+    of base: memory addresses are what make a rotation cold, not values."""
+    out = list(base[:count])
+    i = 0
+    while len(out) < count:
+        out.append(base[i % len(base)].clone())
+        i += 1
+    return out
+
+
+@contextmanager
+def num_threads(n: int):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+# ---- memory bandwidth ---------------------------------------------------------
+
+_READ_KERNELS = {
+    # Copy-free reductions: each reads every byte once and writes nothing.
+    "int64.sum": lambda t: t.view(torch.int64).sum(),
+    "int64.max": lambda t: t.view(torch.int64).max(),
+    "fp32.sum": lambda t: t.view(torch.float32).sum(),
+}
+
+
+def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = 512 * MiB, reps: int = 5,
+                           methods: Sequence[str] | None = None, verbose: bool = False) -> dict[int, dict]:
+    """DRAM read bandwidth (GB/s, 1e9 bytes/s) per thread count, in-process.
+
+    Reduces a size_bytes buffer (far larger than L3) with a few copy-free
+    reductions and keeps, per thread count, the best of the per-method
+    medians: the rate torch itself can read memory at, the roof for a
+    memory-bound GEMV. Returns {threads: {"gbps": x, "method": name, "all": {...}}}.
+    """
+    methods = list(methods or _READ_KERNELS)
+    t = torch.empty(size_bytes // 8, dtype=torch.int64)
+    t.fill_(1)  # touch every page
+    buf = t.view(torch.uint8)
+    out = {}
+    for nt in threads:
+        with num_threads(nt):
+            per = {}
+            for m in methods:
+                f = _READ_KERNELS[m]
+                med = median_time(lambda: f(buf), reps=reps, warmup=1)
+                per[m] = buf.numel() / med / 1e9
+            best = max(per, key=per.get)
+            out[nt] = {"gbps": per[best], "method": best, "all": per}
+            if verbose:
+                print(f"  read bandwidth, {nt} thread(s): " +
+                      ", ".join(f"{m} {v:.1f}" for m, v in per.items()) + f" GB/s -> {per[best]:.1f}")
+    del t, buf
+    return out
+
+
+# ---- environment ---------------------------------------------------------------
+
+def environment() -> dict:
+    import ulbtorch
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "ulbtorch": getattr(ulbtorch, "__version__", "?"), "machine": platform.machine(),
+           "cpu": _cpu_name(), "cores": os.cpu_count(), "isa": ulbtorch.runtime.get_isa(),
+           "supported_isas": ulbtorch.runtime.supported_isas()}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def print_environment(env: dict | None = None) -> dict:
+    env = env or environment()
+    print(f"# {env['cpu']} ({env['cores']} cores), torch {env['torch']}, ulbtorch {env['ulbtorch']}, "
+          f"ISA {env['isa']} (supported: {', '.join(env['supported_isas'])})")
+    return env
+
+
+def select_isa(name: str | None) -> None:
+    """Switch the kernels to one ISA for the whole run (None: keep the default)."""
+    if name:
+        import ulbtorch
+        ulbtorch.runtime.set_isa(name)
+
+
+# ---- tables ---------------------------------------------------------------------
+
+def fmt_value(v: Any, spec: str | None = None) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return format(v, spec) if spec else f"{v:.3g}"
+    return str(v)
+
+
+class Table:
+    """Rows of dicts with a fixed column list; prints aligned and renders markdown."""
+
+    def __init__(self, columns: Sequence[tuple[str, str, str | None]], title: str = ""):
+        # columns: (key, header, format spec or None)
+        self.columns = list(columns)
+        self.title = title
+        self.rows: list[dict] = []
+
+    def add(self, row: dict, echo: bool = False) -> None:
+        self.rows.append(row)
+        if echo:
+            if len(self.rows) == 1:
+                self._print_header()
+            print(self._line(self._cells(row)), flush=True)
+
+    def _cells(self, row: dict) -> list[str]:
+        return [fmt_value(row.get(k), spec) for k, _, spec in self.columns]
+
+    def _widths(self) -> list[int]:
+        # Fixed minimum widths so rows printed as they come stay aligned.
+        return [max(len(h), 9 if spec else 8) for _, h, spec in self.columns]
+
+    def _line(self, cells: Sequence[str]) -> str:
+        w = self._widths()
+        return "  ".join(c.rjust(w[i]) if self.columns[i][2] else c.ljust(w[i]) for i, c in enumerate(cells))
+
+    def _print_header(self) -> None:
+        if self.title:
+            print(f"\n## {self.title}")
+        print(self._line([h for _, h, _ in self.columns]))
+        print(self._line(["-" * w for w in self._widths()]))
+
+    def print(self) -> None:
+        if self.title:
+            print(f"\n## {self.title}")
+        cells = [self._cells(r) for r in self.rows]
+        heads = [h for _, h, _ in self.columns]
+        w = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(len(heads))]
+        just = lambda i, s: s.rjust(w[i]) if self.columns[i][2] else s.ljust(w[i])  # noqa: E731
+        print("  ".join(just(i, h) for i, h in enumerate(heads)))
+        print("  ".join("-" * x for x in w))
+        for c in cells:
+            print("  ".join(just(i, s) for i, s in enumerate(c)))
+
+    def markdown(self) -> str:
+        heads = [h for _, h, _ in self.columns]
+        lines = [f"### {self.title}", ""] if self.title else []
+        lines.append("| " + " | ".join(heads) + " |")
+        lines.append("|" + "|".join("---:" if spec else "---" for _, _, spec in self.columns) + "|")
+        for r in self.rows:
+            lines.append("| " + " | ".join(self._cells(r)) + " |")
+        return "\n".join(lines) + "\n"
+
+
+def write_outputs(tables: Sequence[Table], *, json_path: str | None = None, md_path: str | None = None,
+                  meta: dict | None = None, notes: Sequence[str] = ()) -> None:
+    """Write every table's rows (plus meta) as JSON and/or as markdown."""
+    if json_path:
+        payload = {"meta": meta or {}, "notes": list(notes),
+                   "tables": {t.title or f"table{i}": t.rows for i, t in enumerate(tables)}}
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+        print(f"wrote {json_path}")
+    if md_path:
+        parts = []
+        if meta:
+            parts.append("`" + json.dumps(meta, default=str) + "`\n")
+        parts += [t.markdown() for t in tables]
+        parts += [f"- {n}" for n in notes]
+        with open(md_path, "w") as f:
+            f.write("\n".join(parts) + "\n")
+        print(f"wrote {md_path}")
+
+
+def geomean(xs: Iterable[float]) -> float:
+    xs = [x for x in xs if x and x > 0 and not math.isnan(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def die(msg: str) -> None:
+    print(msg, file=sys.stderr)
+    sys.exit(2)
