@@ -1,0 +1,132 @@
+"""Importers of already-low-bit checkpoints: HF BitNet format and on-grid
+float weights (ParetoQ style)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.integrations.bitnet import pack_weights, unpack_weights  # noqa: E402
+
+import ulbtorch  # noqa: E402
+from ulbtorch.importers import load_bitnet_checkpoint, pack_grid_weight, unpack_hf_bitnet  # noqa: E402
+from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary  # noqa: E402
+
+CFG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+
+
+def bitnet_forward(x, t, ws, linear_class):
+    """BitNet's own forward (transformers BitLinear / AutoBitLinear) in fp32."""
+    scale = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    xq = (x * scale).round().clamp(-128, 127)
+    y = torch.nn.functional.linear(xq, t.float())
+    return y / (scale * ws) if linear_class == "bitlinear" else y / scale * ws
+
+
+def make_checkpoint(tmp_path, linear_class, seed=0):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
+    state, ternary = {}, {}
+    for name, t in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and ("self_attn" in name or "mlp" in name):
+            tern = torch.randint(-1, 2, t.shape).float()
+            ws = torch.rand(1) * 2 + 0.5
+            ternary[module] = (tern, ws)
+            state[name] = pack_weights(tern.clone())
+            state[module + ".weight_scale"] = ws.to(torch.bfloat16)
+        else:
+            state[name] = t.to(torch.bfloat16).contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = LlamaConfig(**CFG).to_dict()
+    cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": linear_class,
+                                  "modules_to_not_convert": None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return ternary
+
+
+def test_unpack_matches_transformers():
+    torch.manual_seed(1)
+    tern = torch.randint(-1, 2, (64, 40)).float()
+    packed = pack_weights(tern.clone())
+    codes = unpack_hf_bitnet(packed, 64)
+    assert torch.equal(codes.float() - 1, unpack_weights(packed, torch.float32))
+    assert torch.equal(codes.float() - 1, tern)
+
+
+@pytest.mark.parametrize("linear_class", ["bitlinear", "autobitlinear"])
+def test_load_bitnet_checkpoint_is_lossless(tmp_path, linear_class):
+    ternary = make_checkpoint(tmp_path, linear_class)
+    model = load_bitnet_checkpoint(str(tmp_path), dtype=torch.float32)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LinearTernary)}
+    assert set(layers) == set(ternary)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    for name, layer in layers.items():
+        tern, ws = ternary[name]
+        ws = ws.to(torch.bfloat16).float()
+        assert layer.granularity == "tensor" and layer.format == "ternary"
+        xi = torch.randn(3, layer.in_features)
+        expect = bitnet_forward(xi, tern, ws, linear_class)
+        got = layer(xi)
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+    ids = torch.randint(0, 300, (1, 6))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 10)
+
+
+def test_bitnet_checkpoint_errors(tmp_path):
+    make_checkpoint(tmp_path, "bitlinear")
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight_scale"):
+        load_bitnet_checkpoint(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["linear_class"] = "weird"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="linear_class"):
+        load_bitnet_checkpoint(str(tmp_path))
+
+
+def test_unpack_rejects_bad_packed():
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_hf_bitnet(torch.zeros(4, 8), 16, "layer.weight")
+    with pytest.raises(ValueError, match="code 3"):
+        unpack_hf_bitnet(torch.full((4, 8), 255, dtype=torch.uint8), 16, "layer.weight")
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack_hf_bitnet(torch.zeros(3, 8, dtype=torch.uint8), 16, "layer.weight")
+
+
+@pytest.mark.parametrize("bits,cls", [(1, Linear1Bit), ("ternary", LinearTernary), (2, Linear2Bit)])
+def test_grid_weights_round_trip_bit_exact(bits, cls):
+    torch.manual_seed(2)
+    M, K = 96, 130
+    alpha = torch.rand(M, 1) * 0.2 + 1e-3
+    if bits == 1:
+        w = (torch.randint(0, 2, (M, K)) * 2 - 1) * alpha
+    elif bits == "ternary":
+        w = torch.randint(-1, 2, (M, K)) * alpha
+    else:
+        w = torch.tensor([-3.0, -1, 1, 3])[torch.randint(0, 4, (M, K))] * alpha / 4
+    w = w.to(torch.bfloat16)
+    codes, scales, fmt = pack_grid_weight(w, bits, "w")
+    layer = cls.from_codes(codes, scales, format=fmt)
+    assert torch.equal(layer.dequantize().to(torch.bfloat16), w)
+    if bits == 2:
+        # The case that needs care: some rows have 3*bf16(a/4) != bf16(3a/4).
+        wf = w.float().abs()
+        assert (wf.amax(1) != 3 * wf.amin(1)).any()
+
+
+def test_grid_refuses_off_grid_rows():
+    w = torch.tensor([[0.25, -0.75, 0.25], [0.25, 0.5, -0.75]], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q_proj.weight: row 1"):
+        pack_grid_weight(w, 2, "q_proj.weight")
+    with pytest.raises(ValueError, match="row 0 .*1-bit"):
+        pack_grid_weight(torch.tensor([[0.0, 1.0]]), 1, "w")
+    with pytest.raises(ValueError, match="ternary grid"):
+        pack_grid_weight(torch.tensor([[0.0, 1.0, -2.0]]), "ternary", "w")

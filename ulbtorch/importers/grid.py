@@ -1,0 +1,88 @@
+"""Float checkpoints whose weights already lie on a 1-bit, ternary or 2-bit
+grid per output row (how the ParetoQ MobileLLM checkpoints are published):
+
+  1-bit    {-a, +a}             -> binary,   scale a
+  ternary  {-s, 0, +s}          -> ternary,  scale s
+  2-bit    {+-a/4, +-3a/4}      -> int2_sym, levels {-3,-1,1,3} x scale
+
+In bf16, 3 * bf16(a/4) need not equal bf16(3a/4), so the 2-bit scale is not
+simply the inner magnitude: we pick the fp32 scale s in the intersection of
+the rounding intervals of both magnitudes (it contains the true a/4, so it is
+never empty for a genuine grid), then verify that bf16(s) and bf16(3s) give
+back both magnitudes bit for bit. Rows that fail are refused by name.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..nn import MODULE_FOR_FORMAT
+
+GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
+
+
+def _half_ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the spacing of `dtype` numbers at |v| (> 0), in fp32."""
+    mant = torch.finfo(dtype).eps  # 2^-(mantissa bits)
+    return torch.exp2(torch.floor(torch.log2(v.abs()))) * mant / 2
+
+
+def _fail(name: str, row: int, why: str):
+    raise ValueError(f"{name}: row {row} is not on a {why}")
+
+
+def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
+    """(codes, scales [M,1], format) reproducing `weight` bit for bit after
+    rounding the dequantised weight back to weight.dtype."""
+    if bits not in GRID_FORMATS:
+        raise ValueError(f"bits must be 1, 'ternary' or 2, got {bits!r}")
+    fmt = GRID_FORMATS[bits]
+    w = weight.detach().float()
+    a = w.abs()
+    M = w.shape[0]
+    big = torch.full_like(a, float("inf"))
+    lo = torch.where(a > 0, a, big).amin(dim=1)          # smallest non-zero magnitude
+    hi = a.amax(dim=1)
+    has_zero = (a == 0).any(dim=1)
+    if fmt in ("binary", "ternary"):
+        if fmt == "binary" and has_zero.any():
+            _fail(name, int(has_zero.nonzero()[0]), "1-bit grid {-a, +a}: it holds a zero")
+        off = (lo != hi) & torch.isfinite(lo)
+        if off.any():
+            _fail(name, int(off.nonzero()[0]), f"{fmt} grid: it holds more than one magnitude")
+        scale = torch.where(torch.isfinite(lo), lo, torch.ones_like(lo))  # an all-zero row: any scale
+        sign_code = (w > 0).to(torch.uint8)
+        codes = sign_code if fmt == "binary" else (torch.sign(w) + 1).to(torch.uint8)
+        return codes, scale.reshape(M, 1), fmt
+    # 2-bit
+    if has_zero.any():
+        _fail(name, int(has_zero.nonzero()[0]), "2-bit grid {+-a/4, +-3a/4}: it holds a zero")
+    mid = (a > lo[:, None]) & (a < hi[:, None])
+    if mid.any():
+        _fail(name, int(mid.any(dim=1).nonzero()[0]), "2-bit grid: it holds more than two magnitudes")
+    two = hi > lo
+    u1, u3 = _half_ulp(lo, weight.dtype), _half_ulp(hi, weight.dtype)
+    s = torch.where(two, (torch.maximum(lo - u1, (hi - u3) / 3) + torch.minimum(lo + u1, (hi + u3) / 3)) / 2, lo)
+    inner = (s.to(weight.dtype).float() == lo)
+    outer = ((3 * s).to(weight.dtype).float() == hi) | ~two
+    bad = ~(inner & outer)
+    if bad.any():
+        r = int(bad.nonzero()[0])
+        _fail(name, r, f"2-bit grid: magnitudes {lo[r].item()} and {hi[r].item()} are not in ratio 1:3")
+    level = torch.where(a == lo[:, None], 1, 3) * torch.sign(w)   # {-3,-1,1,3}
+    codes = ((level + 3) // 2).to(torch.uint8)
+    return codes, s.reshape(M, 1), fmt
+
+
+def convert_grid_linears(model: nn.Module, bits, *, exclude=("lm_head",)) -> nn.Module:
+    """Replace every nn.Linear (except `exclude`) whose weight is on the grid
+    by the matching low-bit layer, in place, without re-quantising."""
+    for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+        if any(name == e or name.endswith("." + e) for e in exclude):
+            continue
+        codes, scales, fmt = pack_grid_weight(lin.weight, bits, name + ".weight")
+        layer = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, bias=lin.bias,
+                                                  granularity="channel")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return model

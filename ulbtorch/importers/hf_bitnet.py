@@ -1,0 +1,142 @@
+"""Hugging Face's BitNet checkpoint format (quant_method "bitnet"), as
+microsoft/bitnet-b1.58-2B-4T and tiiuae/Falcon3-*-1.58bit publish it:
+
+* `<layer>.weight`: uint8 [out/4, in]; byte r of column k holds, in bits
+  2i..2i+1, the ternary value of output row i*out/4 + r as code t+1.
+* `<layer>.weight_scale`: shape (1,). linear_class "bitlinear": W = T / scale;
+  "autobitlinear": W = T * scale.
+* activations: per-token absmax int8, which is exactly what our kernels do, so
+  LinearTernary with one per-tensor scale runs these layers losslessly.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+from torch import nn
+
+from ..nn import LinearTernary
+
+VALUES_PER_BYTE = 4
+LINEAR_CLASSES = ("bitlinear", "autobitlinear")
+
+
+def unpack_hf_bitnet(packed: torch.Tensor, out_features: int, name: str = "weight") -> torch.Tensor:
+    """[out/4, in] uint8 -> our ternary codes [out, in] (code = t + 1)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D uint8 packed BitNet weight, got {packed.dtype} "
+                         f"of shape {tuple(packed.shape)}")
+    rows = packed.shape[0]
+    if rows * VALUES_PER_BYTE < out_features or rows != -(-out_features // VALUES_PER_BYTE):
+        raise ValueError(f"{name}: packed shape {tuple(packed.shape)} does not hold {out_features} "
+                         f"output rows ({VALUES_PER_BYTE} per byte)")
+    codes = torch.cat([(packed >> (2 * i)) & 3 for i in range(VALUES_PER_BYTE)], dim=0)[:out_features]
+    bad = (codes == 3).nonzero()
+    if len(bad):
+        r, k = bad[0].tolist()
+        raise ValueError(f"{name}: code 3 at row {r}, column {k} is not a ternary value")
+    return codes.contiguous()
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Build modules with parameters on the meta device (no memory) while
+    buffers such as rotary inv_freq are computed for real on the CPU."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None:
+            kwargs = dict(param.__dict__)
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _checkpoint_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, f) for f in files]
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
+    return [single]
+
+
+def _selected(name: str, skip: list[str]) -> bool:
+    return not any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
+
+
+def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Load an HF BitNet checkpoint directory into a transformers model whose
+    quantised linears are LinearTernary (per-tensor scale), with no download
+    and no re-quantisation."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    qc = getattr(config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+    if qc.get("quant_method") != "bitnet":
+        raise ValueError(f"{directory}: config.json quantization_config.quant_method is "
+                         f"{qc.get('quant_method')!r}, expected 'bitnet'")
+    linear_class = qc.get("linear_class", "bitlinear")
+    if linear_class not in LINEAR_CLASSES:
+        raise ValueError(f"{directory}: unknown BitNet linear_class {linear_class!r}; known: {LINEAR_CLASSES}")
+    if qc.get("use_rms_norm"):
+        raise NotImplementedError(f"{directory}: BitNet layers with use_rms_norm=True are not supported yet")
+    skip = list(qc.get("modules_to_not_convert") or ["lm_head"])
+    del config.quantization_config
+
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    targets = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and _selected(n, skip)}
+
+    dense: dict[str, torch.Tensor] = {}
+    converted = set()
+    for path in _checkpoint_files(directory):
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            for name, lin in targets.items():
+                wkey = name + ".weight"
+                if wkey not in keys:
+                    continue
+                skey = name + ".weight_scale"
+                if skey not in keys:
+                    raise ValueError(f"{path}: {wkey} has no {skey}")
+                codes = unpack_hf_bitnet(f.get_tensor(wkey), lin.out_features, wkey)
+                if codes.shape[1] != lin.in_features:
+                    raise ValueError(f"{wkey}: {codes.shape[1]} input features, the model expects {lin.in_features}")
+                ws = f.get_tensor(skey).float()
+                if ws.numel() != 1 or not torch.isfinite(ws).all() or ws.item() == 0:
+                    raise ValueError(f"{skey}: expected one finite non-zero scale, got shape {tuple(ws.shape)}")
+                scale = 1.0 / ws if linear_class == "bitlinear" else ws
+                bias = f.get_tensor(name + ".bias") if name + ".bias" in keys else None
+                layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1),
+                                                 format="ternary", bias=bias, granularity="tensor")
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, layer)
+                converted.add(name)
+            for k in keys:
+                module = k.rsplit(".", 1)[0]
+                if module not in targets:
+                    dense[k] = f.get_tensor(k)
+    missing_layers = sorted(set(targets) - converted)
+    if missing_layers:
+        raise ValueError(f"{directory}: no packed weight for layers {missing_layers[:5]}")
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in dense.items()},
+                          strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise ValueError(f"{directory}: checkpoint lacks tensors {still_meta[:5]}")
+    return model.eval()
