@@ -254,10 +254,12 @@ def fmt_value(v: Any, spec: str | None = None) -> str:
 class Table:
     """Rows of dicts with a fixed column list; prints aligned and renders markdown."""
 
-    def __init__(self, columns: Sequence[tuple[str, str, str | None]], title: str = ""):
-        # columns: (key, header, format spec or None)
+    def __init__(self, columns: Sequence[tuple[str, str, str | None]], title: str = "",
+                 min_widths: dict[str, int] | None = None):
+        # columns: (key, header, format spec or None); format spec None = text, left-aligned
         self.columns = list(columns)
         self.title = title
+        self.min_widths = min_widths or {}
         self.rows: list[dict] = []
 
     def add(self, row: dict, echo: bool = False) -> None:
@@ -272,7 +274,7 @@ class Table:
 
     def _widths(self) -> list[int]:
         # Fixed minimum widths so rows printed as they come stay aligned.
-        return [max(len(h), 9 if spec else 8) for _, h, spec in self.columns]
+        return [max(len(h), self.min_widths.get(k, 9 if spec else 8)) for k, h, spec in self.columns]
 
     def _line(self, cells: Sequence[str]) -> str:
         w = self._widths()

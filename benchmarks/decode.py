@@ -1,0 +1,330 @@
+"""End-to-end greedy decode tokens/s: a Llama-architecture model with random
+bf16 weights (built from a config in shapes.json) against deep copies of it
+quantized with ulbtorch.quantize_, in one process, at one thread count.
+
+  python benchmarks/decode.py --quick                          # smoke test (2 layers, few tokens)
+  python benchmarks/decode.py                                  # falcon3-1b, bf16 vs 2-bit
+  python benchmarks/decode.py --config bitnet-b1.58-2b --formats 2,ternary,1
+  python benchmarks/decode.py --profile                        # + share of time in linear layers, Amdahl bound
+  python benchmarks/decode.py --compile                        # + torch.compile(model.forward) variants
+
+Random weights are fine for speed: decode cost does not depend on values.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import ulbtorch  # noqa: E402
+from ulbtorch import LowBitLinear, QuantConfig  # noqa: E402
+
+LLAMA_DEFAULTS = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def build_model(cfg: dict, seed: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**LLAMA_DEFAULTS, **cfg})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+@torch.inference_mode()
+def generate(model, ids, n_new):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                          min_new_tokens=n_new, do_sample=False, use_cache=True)
+
+
+def time_decode(model, ids, n_new, reps, warmup=1):
+    """Median seconds of generate(n_new) and of generate(1) (= prefill + 1 token)."""
+    for _ in range(warmup):
+        out = generate(model, ids, n_new)
+    assert out.shape[1] == ids.shape[1] + n_new, out.shape
+    t_full, t_one = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = generate(model, ids, n_new)
+        t_full.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        generate(model, ids, 1)
+        t_one.append(time.perf_counter() - t0)
+    return statistics.median(t_full), statistics.median(t_one), out
+
+
+class LinearTimer:
+    """Forward hooks that add up wall time spent inside selected modules."""
+
+    def __init__(self, model: nn.Module, classify):
+        self.totals = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.handles = []
+        self._t0 = {}
+        for name, m in model.named_modules():
+            cat = classify(name, m)
+            if cat is None:
+                continue
+            self.handles.append(m.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(m.register_forward_hook(self._post(name, cat)))
+
+    def _pre(self, name):
+        def hook(mod, inp):
+            self._t0[name] = time.perf_counter()
+        return hook
+
+    def _post(self, name, cat):
+        def hook(mod, inp, out):
+            self.totals[cat] += time.perf_counter() - self._t0.pop(name)
+            self.calls[cat] += 1
+        return hook
+
+    def reset(self):
+        self.totals.clear()
+        self.calls.clear()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def profile_decode(model, ids, n_new, classify, reps=2):
+    """Fractions of generate() wall time spent per module category (median over reps)."""
+    timer = LinearTimer(model, classify)
+    try:
+        generate(model, ids, n_new)  # warm
+        shares, totals = defaultdict(list), []
+        for _ in range(reps):
+            timer.reset()
+            t0 = time.perf_counter()
+            generate(model, ids, n_new)
+            total = time.perf_counter() - t0
+            totals.append(total)
+            for cat, t in timer.totals.items():
+                shares[cat].append(t)
+        total = statistics.median(totals)
+        return total, {cat: statistics.median(v) for cat, v in shares.items()}
+    finally:
+        timer.remove()
+
+
+def amdahl(f: float, s: float) -> float:
+    return 1.0 / ((1.0 - f) + f / s)
+
+
+def try_compile(model):
+    """Compile model.forward in place (generate() then calls the compiled forward)."""
+    model.forward = torch.compile(model.forward, dynamic=True)
+    return model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_shapes_arg(p)
+    p.add_argument("--config", default="falcon3-1b", help="a key of shapes.json 'configs' (default falcon3-1b)")
+    p.add_argument("--layers", type=int, help="override num_hidden_layers (quick runs)")
+    p.add_argument("--vocab-size", type=int, help="override vocab_size (quick runs)")
+    p.add_argument("--formats", default="2", help="comma-separated: 2 (int2_sym), int2, ternary, 1 (binary); default 2")
+    p.add_argument("--group-size", type=int, default=0, help="0 = per-channel scales (default)")
+    p.add_argument("--method", default="absmax",
+                   help="scale rule passed to quantize_ (absmax|absmean|mse|auto). Default absmax: speed does not "
+                        "depend on it and the library default (mse for 2-bit) takes minutes on 1B+ models; "
+                        "'auto' uses the library default")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize lm_head too (quantize_ leaves it in bf16 by default)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads (default: current)")
+    p.add_argument("--prompt-len", type=int, default=16, help="random prompt token ids (default 16)")
+    p.add_argument("--tokens", type=int, default=32, help="max_new_tokens = min_new_tokens (default 32)")
+    p.add_argument("--reps", type=int, default=3, help="timed generations per variant, median (default 3)")
+    p.add_argument("--compile", action="store_true", help="also run each variant with torch.compile(model.forward)")
+    p.add_argument("--profile", action="store_true",
+                   help="share of decode time in linear layers (bf16) / ulb ops (quantized) and the Amdahl bound")
+    p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke test: 2 layers, vocab 32000, 8 tokens, 1 rep")
+    p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--markdown", help="write the results table as markdown here")
+    args = p.parse_args(argv)
+
+    if args.quick:
+        args.layers = args.layers or 2
+        args.vocab_size = args.vocab_size or 32000
+        args.tokens = min(args.tokens, 8)
+        args.reps = 1
+    shapes_doc = common.load_shapes(args.shapes)
+    configs = shapes_doc["configs"]
+    if args.config not in configs:
+        common.die(f"unknown config {args.config!r}; shapes.json has {sorted(configs)}")
+    cfg = dict(configs[args.config])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    if args.vocab_size:
+        cfg["vocab_size"] = args.vocab_size
+    formats = common.parse_formats(args.formats)
+    method = None if args.method == "auto" else args.method
+
+    torch.set_num_threads(args.threads)
+    common.select_isa(args.isa)
+    env = common.print_environment()
+    print(f"# config {args.config}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+    print(f"# threads {torch.get_num_threads()}, prompt {args.prompt_len} random ids, greedy "
+          f"{args.tokens} new tokens, median of {args.reps} (+1 warmup)")
+
+    t0 = time.perf_counter()
+    base = build_model(cfg, args.seed)
+    print(f"# built bf16 model: {n_params(base) / 1e6:.0f} M params, {model_bytes(base) / 2**20:.0f} MiB "
+          f"({time.perf_counter() - t0:.1f} s)")
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(3, cfg["vocab_size"], (1, args.prompt_len), generator=gen)
+
+    qcfg_kw = dict(group_size=args.group_size, method=method)
+    if args.quantize_lm_head:
+        qcfg_kw["exclude"] = []
+
+    table = common.Table([("variant", "variant", None), ("mib", "weights MiB", ".0f"),
+                          ("tok_s", "tok/s", ".2f"), ("decode_tok_s", "decode tok/s", ".2f"),
+                          ("ms_tok", "ms/token", ".1f"), ("speedup", "x vs bf16", ".2f"),
+                          ("decode_speedup", "x decode", ".2f")],
+                         title=f"Greedy decode, {args.config} ({cfg['num_hidden_layers']} layers), "
+                               f"{torch.get_num_threads()} threads", min_widths=dict(variant=22))
+    results = {}
+
+    def run_variant(name, model):
+        t_full, t_one, out = time_decode(model, ids, args.tokens, args.reps)
+        dec = (t_full - t_one) / max(1, args.tokens - 1) if args.tokens > 1 else float("nan")
+        r = dict(variant=name, mib=model_bytes(model) / 2**20, t_generate_s=t_full, t_prefill_plus1_s=t_one,
+                 tok_s=args.tokens / t_full, decode_tok_s=1.0 / dec if dec > 0 else float("nan"),
+                 ms_tok=1e3 * t_full / args.tokens)
+        ref = results.get("bf16")
+        r["speedup"] = r["tok_s"] / ref["tok_s"] if ref else 1.0
+        r["decode_speedup"] = r["decode_tok_s"] / ref["decode_tok_s"] if ref else 1.0
+        results[name] = r
+        table.add(r, echo=True)
+        return out
+
+    def run_compiled(name, model):
+        if not args.compile:
+            return
+        try:
+            m = copy.deepcopy(model)
+            try_compile(m)
+            t0 = time.perf_counter()
+            generate(m, ids, args.tokens)  # compiles
+            print(f"  (torch.compile warmup of {name}: {time.perf_counter() - t0:.1f} s)")
+            run_variant(name + " +compile", m)
+        except Exception as e:  # noqa: BLE001
+            print(f"  torch.compile of {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            results[name + " +compile"] = dict(variant=name + " +compile", error=f"{type(e).__name__}: {e}"[:2000])
+            if os.environ.get("ULB_BENCH_TRACEBACK"):
+                traceback.print_exc()
+        finally:
+            torch._dynamo.reset()
+            gc.collect()
+
+    # -- bf16 baseline ----------------------------------------------------------------
+    sel = QuantConfig(bits=2, **{k: v for k, v in qcfg_kw.items() if k == "exclude"})
+    ref_out = run_variant("bf16", base)
+    run_compiled("bf16", base)
+    prof = {}
+    if args.profile:
+        cls_bf16 = lambda n, m: (("quantizable" if sel.selects(n) else "other_linear")  # noqa: E731
+                                 if type(m) is nn.Linear else None)
+        total, parts = profile_decode(base, ids, args.tokens, cls_bf16)
+        prof["bf16"] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
+
+    # -- quantized variants -----------------------------------------------------------
+    for fmt in formats:
+        name = f"ulb {fmt}"
+        t0 = time.perf_counter()
+        qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, **qcfg_kw)
+        n_low = sum(isinstance(m, LowBitLinear) for m in qm.modules())
+        print(f"  quantize_({fmt}, method={method or 'default'}): {n_low} layers, "
+              f"{time.perf_counter() - t0:.1f} s")
+        out = run_variant(name, qm)
+        results[name]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
+        run_compiled(name, qm)
+        if args.profile:
+            cls_q = lambda n, m: ("ulb" if isinstance(m, LowBitLinear)  # noqa: E731
+                                  else "other_linear" if type(m) is nn.Linear else None)
+            total, parts = profile_decode(qm, ids, args.tokens, cls_q)
+            prof[name] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
+        del qm
+        gc.collect()
+
+    # -- report ---------------------------------------------------------------------------
+    notes = []
+    print()
+    for fmt in formats:
+        r = results[f"ulb {fmt}"]
+        line = (f"{fmt}: {r['tok_s']:.2f} tok/s vs bf16 {results['bf16']['tok_s']:.2f} -> {r['speedup']:.2f}x "
+                f"end to end ({r['decode_speedup']:.2f}x decode only); weights {results['bf16']['mib']:.0f} -> "
+                f"{r['mib']:.0f} MiB")
+        print(line)
+        notes.append(line)
+    if args.compile:
+        for k, r in results.items():
+            if k.endswith("+compile") and "error" in r:
+                notes.append(f"{k}: failed ({r['error'].splitlines()[0][:200]})")
+
+    if args.profile:
+        b = prof["bf16"]
+        f_q = b.get("quantizable_s", 0.0) / b["total_s"]
+        f_all = (b.get("quantizable_s", 0.0) + b.get("other_linear_s", 0.0)) / b["total_s"]
+        print(f"\n## Profile (forward hooks on linear modules; {args.tokens} new tokens)")
+        print(f"bf16: {100 * f_all:.1f}% of generate() time in nn.Linear, {100 * f_q:.1f}% in the layers "
+              f"quantize_ replaces (f), {100 * (f_all - f_q):.1f}% in the others (lm_head)")
+        ptab = common.Table([("variant", "variant", None), ("f", "f (bf16)", ".3f"),
+                             ("ulb_share", "ulb share", ".3f"), ("s_lin", "s linear (meas.)", ".2f"),
+                             ("s_bytes", "s bytes", ".0f"), ("bound_bytes", "bound@bytes", ".2f"),
+                             ("bound_meas", "bound@meas.", ".2f"), ("measured", "measured x", ".2f")],
+                            title="Amdahl: bound = 1/((1-f)+f/s)", min_widths=dict(variant=22))
+        for fmt in formats:
+            name = f"ulb {fmt}"
+            q = prof[name]
+            s_bytes = 16 / common.FORMAT_BITS[fmt]
+            s_lin = b.get("quantizable_s", 0.0) / q["ulb_s"] if q.get("ulb_s") else float("nan")
+            row = dict(variant=name, f=f_q, ulb_share=q.get("ulb_s", 0.0) / q["total_s"], s_lin=s_lin,
+                       s_bytes=s_bytes, bound_bytes=amdahl(f_q, s_bytes), bound_meas=amdahl(f_q, s_lin),
+                       measured=results[name]["speedup"], profile=q)
+            ptab.add(row)
+            results[name]["amdahl"] = row
+        ptab.print()
+        print("f: share of bf16 decode time in the layers that get quantized; s bytes: 16 / bits per weight; "
+              "s linear (meas.): bf16 time in those layers / time in ulb layers (from the hooks); "
+              "measured x: end-to-end speed-up without hooks")
+        results["_profile"] = prof
+
+    if args.quick:
+        print("(--quick: tiny model, few tokens; indicative only)")
+    meta = dict(env=env, args=vars(args), config=cfg)
+    common.write_outputs([table], json_path=args.json, md_path=args.markdown, meta=meta, notes=notes)
+    if args.json:  # richer payload than the table alone
+        import json
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results, notes=notes), f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Roofline GEMV (decode, N=1) and GEMM (prefill) benchmark of ulbtorch's
+low-bit linear against bf16 torch.nn.functional.linear, in one run.
+
+Cold by default: every timed call reads a different matrix out of a rotation
+of ~600 MiB (more than 256 MiB even for the smallest shapes), so the weights
+stream from DRAM as in a real model's decode step; a loop over one matrix
+(--hot, labelled) measures L3 instead and flatters every kernel.
+
+  python benchmarks/gemv.py --quick                    # smoke test: one small model, few reps
+  python benchmarks/gemv.py                            # all models and shapes of shapes.json, 1 and 2 threads
+  python benchmarks/gemv.py --models llama3-8b --hot   # add hot (single-matrix) columns
+  python benchmarks/gemv.py --module                   # time LinearXBit.forward instead of the raw op
+  python benchmarks/gemv.py --prefill                  # also GEMM at N in shapes.json's prefill_tokens
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import MiB  # noqa: E402
+
+import ulbtorch  # noqa: E402
+from ulbtorch.formats import get_format  # noqa: E402
+from ulbtorch.nn import MODULE_FOR_FORMAT  # noqa: E402
+
+N_DISTINCT = 2  # genuinely different random matrices per shape; the rest of a rotation are copies
+
+
+def random_codes_scales(M: int, K: int, fmt: str, group_size: int, gen: torch.Generator):
+    f = get_format(fmt)
+    codes = torch.randint(0, f.max_code + 1, (M, K), dtype=torch.uint8, generator=gen)
+    G = 1 if not group_size else -(-K // group_size)
+    scales = torch.rand(M, G, generator=gen) * 0.02 + 0.01  # per-channel (or per-group) scales
+    return codes, scales
+
+
+class OursRotation:
+    """Distinct packed weights of one shape/format (raw blobs or nn modules)."""
+
+    def __init__(self, M, K, fmt, group_size, rotate_bytes, min_bytes, module, gen):
+        self.M, self.K, self.fmt, self.module = M, K, fmt, module
+        bases = [random_codes_scales(M, K, fmt, group_size, gen) for _ in range(N_DISTINCT)]
+        blobs = [ulbtorch.ops.pack(c, s, fmt, group_size) for c, s in bases]
+        self.blob_bytes = blobs[0].numel()  # codes + scales + header: all the kernel reads of W
+        self.count = common.cold_rotation(self.blob_bytes, rotate_bytes, min_bytes)
+        if module:
+            cls = MODULE_FOR_FORMAT[fmt]
+            mods = [cls.from_codes(c, s, format=fmt, group_size=group_size) for c, s in bases]
+            self.items = mods[:self.count]
+            while len(self.items) < self.count:
+                self.items.append(copy.deepcopy(mods[len(self.items) % len(mods)]))
+        else:
+            self.items = common.replicate(blobs, self.count)
+        self.total_bytes = self.count * self.blob_bytes
+
+    def call(self, x):
+        if self.module:
+            return lambda m: m(x)
+        M = self.M
+        return lambda b: torch.ops.ulb.linear(x, b, None, M)
+
+
+def bf16_rotation(M, K, rotate_bytes, min_bytes, gen):
+    bases = [torch.randn(M, K, generator=gen).to(torch.bfloat16) * 0.02 for _ in range(N_DISTINCT)]
+    count = common.cold_rotation(M * K * 2, rotate_bytes, min_bytes)
+    return common.replicate(bases, count)
+
+
+def time_hot(fn, reps):
+    est = common.median_time(fn, reps=3, warmup=3)
+    return common.median_time(fn, reps=reps, warmup=2, inner=common.calls_per_sample(est))
+
+
+def check_pool_threads(fmt, nt):
+    bits = 1 if fmt == "binary" else 2
+    try:
+        n = ulbtorch.runtime.scheduler_stats(bits)["nthreads"]
+    except Exception:  # noqa: BLE001  (stats are informational)
+        return
+    if nt > 1 and n not in (0, nt):
+        print(f"  WARNING: ulb thread pool used {n} threads while torch.get_num_threads() = {nt}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_shapes_arg(p)
+    p.add_argument("--models", help="comma-separated subset of shapes.json's gemv_shapes (default: all)")
+    p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    p.add_argument("--formats", default="int2_sym,ternary,binary",
+                   help="comma-separated: int2_sym (2), int2, ternary, binary (1). Default int2_sym,ternary,binary")
+    p.add_argument("--group-size", type=int, default=0, help="0 = per-channel scales (default)")
+    p.add_argument("--act-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="dtype of the activations fed to our op (bf16 F.linear always gets bf16)")
+    p.add_argument("--rotate-mib", type=float, default=600, help="target size of each cold rotation (MiB)")
+    p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
+    p.add_argument("--reps", type=int, default=15, help="timing samples per measurement (median)")
+    p.add_argument("--hot", action="store_true", help="also time a single matrix over and over (L3-hot, labelled)")
+    p.add_argument("--module", action="store_true",
+                   help="time LinearXBit.forward (all per-call overhead) instead of torch.ops.ulb.linear")
+    p.add_argument("--prefill", nargs="?", const="", default=None, metavar="N1,N2",
+                   help="also time GEMM at these token counts (default: shapes.json prefill_tokens); hot")
+    p.add_argument("--no-gemv", action="store_true", help="skip the N=1 table (with --prefill)")
+    p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
+    p.add_argument("--bw-mib", type=int, default=512, help="buffer size of the read-bandwidth probe (MiB)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: smollm2-135m only, 3 reps, 64 MiB rotations (indicative numbers only)")
+    p.add_argument("--json", help="write all rows as JSON here")
+    p.add_argument("--markdown", help="write the tables as markdown here")
+    args = p.parse_args(argv)
+
+    shapes_doc = common.load_shapes(args.shapes)
+    all_models = shapes_doc["gemv_shapes"]
+    if args.quick:
+        args.models = args.models or "smollm2-135m"
+        args.reps = min(args.reps, 3)
+        args.rotate_mib = min(args.rotate_mib, 64)
+        args.min_rotate_mib = min(args.min_rotate_mib, 48)  # still above the 32 MiB L3
+        args.bw_mib = min(args.bw_mib, 256)
+    models = common.parse_list(args.models) or list(all_models)
+    for m in models:
+        if m not in all_models:
+            common.die(f"unknown model {m!r}; shapes.json has {sorted(all_models)}")
+    threads = common.parse_list(args.threads, int)
+    formats = common.parse_formats(args.formats)
+    prefill_ns = None
+    if args.prefill is not None:
+        prefill_ns = common.parse_list(args.prefill, int) or list(shapes_doc.get("prefill_tokens", [32, 128, 512]))
+        if args.quick and not args.prefill:
+            prefill_ns = prefill_ns[:1]
+    act_dtype = torch.bfloat16 if args.act_dtype == "bf16" else torch.float32
+    rotate_bytes, min_bytes = int(args.rotate_mib * MiB), int(args.min_rotate_mib * MiB)
+
+    common.select_isa(args.isa)
+    env = common.print_environment()
+    what = "LinearXBit.forward (module)" if args.module else "torch.ops.ulb.linear (raw op)"
+    print(f"# ours: {what}, activations {args.act_dtype}; baseline: F.linear bf16; "
+          f"cold rotation ~{args.rotate_mib:.0f} MiB (>= {args.min_rotate_mib:.0f} MiB); median of {args.reps}")
+
+    print("# measuring DRAM read bandwidth ...")
+    bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
+                                       verbose=True)
+    gen = torch.Generator().manual_seed(0)
+    prev_threads = torch.get_num_threads()
+
+    cols = [("model", "model", None), ("shape", "M x K", None), ("threads", "thr", None),
+            ("format", "format", None), ("rot", "rot", None),
+            ("us", "us ours", ".1f"), ("us_bf16", "us bf16", ".1f"),
+            ("gbps", "GB/s ours", ".1f"), ("pct_bw", "% read BW", ".0f"),
+            ("gbps_bf16", "GB/s bf16", ".1f"), ("speedup", "x vs bf16", ".2f")]
+    if args.hot:
+        cols += [("us_hot", "us hot", ".1f"), ("us_bf16_hot", "us bf16 hot", ".1f"),
+                 ("speedup_hot", "x hot", ".2f")]
+    widths = dict(model=max(map(len, models)), shape=11, rot=13, format=8)
+    gemv = common.Table(cols, title="GEMV N=1, cold" + (" (+hot columns, L3-resident, labelled)" if args.hot else ""),
+                        min_widths=widths)
+    pre = common.Table([("model", "model", None), ("shape", "M x K", None), ("threads", "thr", None),
+                        ("format", "format", None), ("N", "N", None),
+                        ("us", "us ours", ".1f"), ("us_bf16", "us bf16", ".1f"),
+                        ("gops", "GOP/s ours", ".1f"), ("gops_bf16", "GOP/s bf16", ".1f"),
+                        ("speedup", "x vs bf16", ".2f")],
+                       title="Prefill GEMM, hot (one matrix, weights L3/cache-resident where they fit)",
+                       min_widths=widths)
+
+    try:
+        for model in models:
+            for M, K in all_models[model]:
+                shape = f"{M}x{K}"
+                # -- bf16 baseline, measured once per shape and thread count ------------
+                bf16_us, bf16_hot_us = {}, {}
+                if not args.no_gemv:
+                    wb = bf16_rotation(M, K, rotate_bytes, min_bytes, gen)
+                    xb = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+                    for nt in threads:
+                        torch.set_num_threads(nt)
+                        bf16_us[nt] = 1e6 * common.time_rotating(wb, lambda w: F.linear(xb, w), reps=args.reps)
+                        if args.hot:
+                            w0 = wb[0]
+                            bf16_hot_us[nt] = 1e6 * time_hot(lambda: F.linear(xb, w0), args.reps)
+                    bf16_rot_mib = len(wb) * M * K * 2 / MiB
+                    del wb
+                    gc.collect()
+                for fmt in formats:
+                    # -- ours, cold -----------------------------------------------------
+                    if not args.no_gemv:
+                        rot = OursRotation(M, K, fmt, args.group_size, rotate_bytes, min_bytes, args.module, gen)
+                        x = torch.randn(1, K, generator=gen).to(act_dtype)
+                        call = rot.call(x)
+                        for nt in threads:
+                            torch.set_num_threads(nt)
+                            t = common.time_rotating(rot.items, call, reps=args.reps)
+                            check_pool_threads(fmt, nt)
+                            us = 1e6 * t
+                            gbps = rot.blob_bytes / t / 1e9
+                            row = dict(model=model, shape=shape, M=M, K=K, threads=nt, format=fmt,
+                                       rot=f"{rot.count}x{rot.blob_bytes / MiB:.2f}M",
+                                       rot_count=rot.count, blob_bytes=rot.blob_bytes,
+                                       rot_mib=rot.total_bytes / MiB, bf16_rot_mib=bf16_rot_mib,
+                                       us=us, us_bf16=bf16_us[nt], gbps=gbps,
+                                       pct_bw=100 * gbps / bw[nt]["gbps"], read_bw=bw[nt]["gbps"],
+                                       gbps_bf16=M * K * 2 / (bf16_us[nt] * 1e-6) / 1e9,
+                                       speedup=bf16_us[nt] / us, mode="module" if args.module else "op")
+                            if args.hot:
+                                item = rot.items[0]
+                                row["us_hot"] = 1e6 * time_hot(lambda: call(item), args.reps)
+                                row["us_bf16_hot"] = bf16_hot_us[nt]
+                                row["speedup_hot"] = bf16_hot_us[nt] / row["us_hot"]
+                            gemv.add(row, echo=True)
+                        del rot, call
+                        gc.collect()
+                    # -- prefill GEMM, hot ----------------------------------------------
+                    if prefill_ns:
+                        codes, scales = random_codes_scales(M, K, fmt, args.group_size, gen)
+                        blob = ulbtorch.ops.pack(codes, scales, fmt, args.group_size)
+                        mod = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt,
+                                                                group_size=args.group_size)
+                        w = torch.randn(M, K, generator=gen).to(torch.bfloat16) * 0.02
+                        for nt in threads:
+                            torch.set_num_threads(nt)
+                            for n in prefill_ns:
+                                xp = torch.randn(n, K, generator=gen).to(torch.bfloat16)
+                                xo = xp.to(act_dtype)
+                                if args.module:
+                                    t = time_hot(lambda: mod(xo), args.reps)
+                                else:
+                                    t = time_hot(lambda: torch.ops.ulb.linear(xo, blob, None, M), args.reps)
+                                tb = time_hot(lambda: F.linear(xp, w), args.reps)
+                                ops_ = 2 * M * K * n
+                                pre.add(dict(model=model, shape=shape, M=M, K=K, threads=nt, format=fmt, N=n,
+                                             us=1e6 * t, us_bf16=1e6 * tb, gops=ops_ / t / 1e9,
+                                             gops_bf16=ops_ / tb / 1e9, speedup=tb / t,
+                                             mode="module" if args.module else "op"),
+                                        echo=args.no_gemv)
+                        del blob, mod, w
+    finally:
+        torch.set_num_threads(prev_threads)
+
+    if pre.rows and not args.no_gemv:
+        pre.print()
+
+    # -- summary -------------------------------------------------------------------
+    notes = []
+    print("\n## Summary (ratios measured in this run)")
+    for nt in threads:
+        print(f"read bandwidth {nt} thread(s): {bw[nt]['gbps']:.1f} GB/s ({bw[nt]['method']})")
+    if gemv.rows:
+        for fmt in formats:
+            for nt in threads:
+                rs = [r for r in gemv.rows if r["format"] == fmt and r["threads"] == nt]
+                if not rs:
+                    continue
+                line = (f"GEMV cold {fmt:8s} {nt} thr: geomean {common.geomean(r['speedup'] for r in rs):.2f}x vs bf16, "
+                        f"median {statistics.median(r['pct_bw'] for r in rs):.0f}% of read BW "
+                        f"(bf16 median {statistics.median(100 * r['gbps_bf16'] / r['read_bw'] for r in rs):.0f}%), "
+                        f"{len(rs)} shapes")
+                if args.hot:
+                    line += f"; hot geomean {common.geomean(r['speedup_hot'] for r in rs):.2f}x"
+                print(line)
+                notes.append(line)
+    if pre.rows:
+        for fmt in formats:
+            for nt in threads:
+                for n in prefill_ns:
+                    rs = [r for r in pre.rows if r["format"] == fmt and r["threads"] == nt and r["N"] == n]
+                    if rs:
+                        line = (f"prefill hot {fmt:8s} {nt} thr N={n}: geomean "
+                                f"{common.geomean(r['speedup'] for r in rs):.2f}x vs bf16, {len(rs)} shapes")
+                        print(line)
+                        notes.append(line)
+    if args.quick:
+        print("(--quick: small rotations and few reps; indicative only)")
+    meta = dict(env=env, args=vars(args), read_bw={k: v["gbps"] for k, v in bw.items()})
+    common.write_outputs([t for t in (gemv, pre) if t.rows], json_path=args.json, md_path=args.markdown,
+                         meta=meta, notes=notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+import pytest
+import torch
+
+import ulbtorch  # noqa: F401  (registers torch.ops.ulb.*)
+from ulbtorch import runtime
+
+
+@pytest.fixture
+def gen():
+    """A seeded generator: every test draws its own reproducible data."""
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _restore_runtime_state():
+    """No test may leak an ISA choice or a thread count into the next one."""
+    isa = runtime.get_isa()
+    nthreads = torch.get_num_threads()
+    yield
+    runtime.set_isa(isa)
+    torch.set_num_threads(nthreads)

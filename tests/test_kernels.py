@@ -1,0 +1,369 @@
+"""The C kernels through torch.ops.ulb: every ISA path against the scalar
+oracle (bit for bit) and against plain integer arithmetic in PyTorch."""
+import ctypes
+import functools
+import zlib
+
+import pytest
+import torch
+
+import ulbtorch
+from ulbtorch import ops, runtime
+from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
+
+ISAS = runtime.supported_isas()
+FMTS = list(FORMATS)
+MS = (1, 7, 33, 100, 1000)
+KS = (1, 16, 33, 257, 4097)
+NS = (1, 2, 7, 64)
+GROUP_SIZES = (0, 32, 128)
+
+
+def _ns(M, K):
+    # The scalar oracle at 1000 x 4097 x 64 tokens costs seconds per case.
+    return (1, 2, 7) if M * K > 1_000_000 else NS
+
+
+def _gen(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+# Items ordered with the ISA innermost, so the cached scalar results of one
+# shape serve every ISA before the next shape is built.
+GRID = [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
+        for fmt in FMTS for M in MS for K in KS for gs in GROUP_SIZES for isa in ISAS]
+
+
+@functools.lru_cache(maxsize=4)
+def _weight(fmt, M, K, gs):
+    g = _gen("w", fmt, M, K, gs)
+    f = get_format(fmt)
+    codes = torch.randint(0, f.max_code + 1, (M, K), generator=g, dtype=torch.uint8)
+    G = n_groups(normalize_group_size(gs, K), K)
+    scales = torch.rand(M, G, generator=g) * 0.9 + 0.1
+    return codes, scales, ops.pack(codes, scales, fmt, gs)
+
+
+def _group_view(t, K, gs):
+    """[R, >=K] -> [R, G, gs_eff] over the first K columns, zero padded."""
+    gs = normalize_group_size(gs, K) or K
+    G = n_groups(normalize_group_size(gs, K), K)
+    t = t[:, :K]
+    t = torch.nn.functional.pad(t, (0, G * gs - K))
+    return t.reshape(t.shape[0], G, gs)
+
+
+def torch_int_dots(blob, xq):
+    """sum over each group of level * xq, int64, from the unpacked codes."""
+    info = ops.packed_info(blob)
+    codes, _ = ops.unpack(blob)
+    K, gs = info["in_features"], info["group_size"]
+    levels = get_format(info["format"]).codes_to_levels(codes).to(torch.int64)
+    lv = _group_view(levels, K, gs).permute(1, 2, 0)             # [G, gs, M]
+    xv = _group_view(xq.to(torch.int64), K, gs).permute(1, 0, 2)  # [G, N, gs]
+    return torch.bmm(xv, lv).permute(1, 2, 0)                      # [N, M, G]
+
+
+def _acts_int8(fmt, M, K, gs, N, blob):
+    """Random int8 activations over the whole range (extremes included),
+    zero padded to K_pad, with their group sums."""
+    info = ops.packed_info(blob)
+    g = _gen("xq", fmt, M, K, gs, N)
+    xq = torch.zeros(N, info["K_pad"], dtype=torch.int8)
+    xq[:, :K] = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    xq[0, 0] = -128
+    xq[-1, K - 1] = 127
+    xsum = _group_view(xq.to(torch.int32), info["K_pad"], info["group_size"]).sum(-1, dtype=torch.int32)
+    return xq, xsum
+
+
+def _acts_float(fmt, M, K, gs, N):
+    g = _gen("x", fmt, M, K, gs, N)
+    return torch.randn(N, K, generator=g) * (torch.rand(N, 1, generator=g) * 4 + 0.01)
+
+
+@functools.lru_cache(maxsize=4)
+def _scalar_dots(fmt, M, K, gs):
+    _, _, blob = _weight(fmt, M, K, gs)
+    out = {}
+    with runtime.use_isa("scalar"):
+        for N in _ns(M, K):
+            xq, xsum = _acts_int8(fmt, M, K, gs, N, blob)
+            out[N] = torch.ops.ulb.int_dots(blob, xq, xsum)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _scalar_linear(fmt, M, K, gs):
+    _, _, blob = _weight(fmt, M, K, gs)
+    with runtime.use_isa("scalar"):
+        return {N: torch.ops.ulb.linear(_acts_float(fmt, M, K, gs, N), blob, None, M)
+                for N in _ns(M, K)}
+
+
+def epilogue(blob, x):
+    """The documented fp32 epilogue, in PyTorch: per-group scale times the
+    integer dot, groups added in order, times the activation scale."""
+    _, scales = ops.unpack(blob)
+    xq, xscale, _ = torch.ops.ulb.quantize_act(x, blob)
+    dots = torch_int_dots(blob, xq).to(torch.float32)  # exact: |dot| < 2^24
+    f = torch.zeros(dots.shape[:2])
+    for g in range(dots.shape[2]):
+        f = f + scales[:, g] * dots[:, :, g]
+    return f * xscale[:, None]
+
+
+@pytest.mark.parametrize("fmt,M,K,gs,isa", GRID)
+def test_int_dots(fmt, M, K, gs, isa):
+    _, _, blob = _weight(fmt, M, K, gs)
+    scalar = _scalar_dots(fmt, M, K, gs)
+    G = n_groups(normalize_group_size(gs, K), K)
+    for N in _ns(M, K):
+        xq, xsum = _acts_int8(fmt, M, K, gs, N, blob)
+        with runtime.use_isa(isa):
+            dots = torch.ops.ulb.int_dots(blob, xq, xsum)
+        assert dots.dtype == torch.int32 and dots.shape == (N, M, G)
+        assert torch.equal(dots, scalar[N]), f"N={N}: {isa} int_dots differ from scalar"
+        assert torch.equal(dots.to(torch.int64), torch_int_dots(blob, xq)), f"N={N}: wrong integer dots"
+
+
+@pytest.mark.parametrize("fmt,M,K,gs,isa", GRID)
+def test_linear_fp32_bit_identical(fmt, M, K, gs, isa):
+    _, _, blob = _weight(fmt, M, K, gs)
+    scalar = _scalar_linear(fmt, M, K, gs)
+    for N in _ns(M, K):
+        x = _acts_float(fmt, M, K, gs, N)
+        with runtime.use_isa(isa):
+            y = torch.ops.ulb.linear(x, blob, None, M)
+        assert y.dtype == torch.float32 and y.shape == (N, M)
+        assert torch.equal(y, scalar[N]), f"N={N}: {isa} output differs from scalar"
+        assert torch.equal(y, epilogue(blob, x)), f"N={N}: output is not the documented epilogue"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_int_dots_extremes_at_max_k(fmt):
+    """Largest codes times -128 over K = 65536 in one group: the widest
+    integer accumulation any kernel may do (the one-token AVX-512 path
+    keeps 64 x the sum)."""
+    f = get_format(fmt)
+    M, K = 64, 65536
+    for code in (f.max_code, 0):
+        blob = ops.pack(torch.full((M, K), code, dtype=torch.uint8), torch.ones(M, 1), fmt)
+        for N in (1, 2):
+            xq = torch.full((N, K), -128, dtype=torch.int8)
+            xsum = xq.to(torch.int32).sum(1, keepdim=True, dtype=torch.int32)
+            want = torch.full((N, M, 1), (f.level_a * code + f.level_b) * -128 * K, dtype=torch.int32)
+            for isa in ISAS:
+                with runtime.use_isa(isa):
+                    assert torch.equal(torch.ops.ulb.int_dots(blob, xq, xsum), want), (isa, code, N)
+
+
+# ---- activations, dtypes and layouts ------------------------------------------------------------
+
+def _blob(gen, fmt="int2_sym", M=70, K=200, gs=32):
+    f = get_format(fmt)
+    codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
+    G = n_groups(normalize_group_size(gs, K), K)
+    return ops.pack(codes, torch.rand(M, G, generator=gen) + 0.05, fmt, gs)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_linear_bf16(gen, isa, fmt):
+    M, K = 70, 200
+    blob = _blob(gen, fmt, M, K)
+    x = torch.randn(9, K, generator=gen).to(torch.bfloat16)
+    with runtime.use_isa(isa):
+        y = torch.ops.ulb.linear(x, blob, None, M)
+    with runtime.use_isa("scalar"):
+        y_scalar = torch.ops.ulb.linear(x, blob, None, M)
+        y32 = torch.ops.ulb.linear(x.float(), blob, None, M)
+    assert y.dtype == torch.bfloat16 and y.shape == (9, M)
+    assert torch.equal(y, y_scalar)
+    # bf16 values are exact in fp32, so only the final rounding differs.
+    assert torch.equal(y, y32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_linear_bias(gen, isa, x_dtype, bias_dtype):
+    M, K = 70, 200
+    blob = _blob(gen, "ternary", M, K)
+    x = torch.randn(5, K, generator=gen).to(x_dtype)
+    bias = (torch.randn(M, generator=gen) * 3).to(bias_dtype)
+    with runtime.use_isa(isa):
+        y = torch.ops.ulb.linear(x, blob, bias, M)
+    y0 = torch.ops.ulb.linear(x.float(), blob, None, M)
+    assert y.dtype == x_dtype
+    assert torch.equal(y, (y0 + bias.float()).to(x_dtype))
+
+
+def test_linear_multithread_identical(gen):
+    M, K = 1000, 257
+    blob = _blob(gen, "int2", M, K, 128)
+    x = torch.randn(7, K, generator=gen)
+    torch.set_num_threads(1)
+    y1 = torch.ops.ulb.linear(x, blob, None, M)
+    torch.set_num_threads(2)
+    y2 = torch.ops.ulb.linear(x, blob, None, M)
+    assert torch.equal(y1, y2)
+    assert torch.equal(y1, epilogue(blob, x))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_non_contiguous(gen, isa):
+    M, K = 70, 200
+    blob = _blob(gen, "binary", M, K)
+    big = torch.randn(12, 2 * K, generator=gen)
+    views = {
+        "transposed": torch.randn(K, 6, generator=gen).t(),      # strides (1, 6)
+        "column_stride": big[:, ::2],                             # inner stride 2
+        "row_slice": big[::3, 5:5 + K],                           # row stride 3 * 2K
+        "broadcast": torch.randn(1, K, generator=gen).expand(4, K),  # row stride 0
+        "bf16_transposed": torch.randn(K, 3, generator=gen).to(torch.bfloat16).t(),
+    }
+    with runtime.use_isa(isa):
+        for name, x in views.items():
+            assert not x.is_contiguous(), name
+            y = torch.ops.ulb.linear(x, blob, None, M)
+            assert torch.equal(y, torch.ops.ulb.linear(x.contiguous(), blob, None, M)), name
+        y = torch.ops.ulb.linear(views["broadcast"], blob, None, M)
+        assert torch.equal(y, y[:1].expand_as(y))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_leading_dims(gen, isa):
+    M, K = 33, 48
+    blob = _blob(gen, "int2", M, K, 16)
+    x = torch.randn(2, 3, 4, K, generator=gen)
+    bias = torch.randn(M, generator=gen)
+    with runtime.use_isa(isa):
+        y = torch.ops.ulb.linear(x, blob, bias, M)
+        assert y.shape == (2, 3, 4, M)
+        assert torch.equal(y, torch.ops.ulb.linear(x.reshape(-1, K), blob, bias, M).reshape(2, 3, 4, M))
+        # A permuted batch cannot be viewed as 2-D: the op must copy correctly.
+        xp = x.permute(1, 0, 2, 3)
+        yp = torch.ops.ulb.linear(xp, blob, bias, M)
+        assert torch.equal(yp, y.permute(1, 0, 2, 3))
+        # 1-D input: one token.
+        y1 = torch.ops.ulb.linear(x[1, 2, 3], blob, bias, M)
+        assert y1.shape == (M,) and torch.equal(y1, y[1, 2, 3])
+
+
+def test_quantize_act_matches_reference_bitwise(gen):
+    """quantize_act is documented as bit-identical to ops.quantize_activations."""
+    for K in (1, 33, 257):
+        blob = _blob(gen, "int2", 7, K, 0)
+        x = torch.randn(64, K, generator=gen) * torch.logspace(-3, 3, 64)[:, None]
+        for xin in (x, x.to(torch.bfloat16)):
+            xq, xscale, _ = torch.ops.ulb.quantize_act(xin, blob)
+            q, s = ops.quantize_activations(xin)
+            assert torch.equal(xq[:, :K].to(torch.float32), q), f"K={K} {xin.dtype}: xq"
+            assert torch.equal(xscale, s.squeeze(-1)), f"K={K} {xin.dtype}: xscale"
+
+
+def test_quantize_act_documented_rule(gen):
+    """The rule of ulb.h in exact fp32 arithmetic (true division), padding
+    zero, xsum the group sums of xq."""
+    for K, gs in ((1, 0), (33, 16), (257, 32), (257, 128), (1000, 0)):
+        blob = _blob(gen, "int2_sym", 5, K, gs)
+        info = ops.packed_info(blob)
+        x = torch.randn(9, K, generator=gen) * torch.logspace(-7, 4, 9)[:, None]
+        x[0, 0] = 50.0  # an exact +-127 at the max, -128 unreachable by design
+        xq, xscale, xsum = torch.ops.ulb.quantize_act(x, blob)
+        amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-5)
+        inv = torch.full_like(amax, 127.0) / amax
+        q = torch.round(x * inv).clamp(-128, 127)
+        assert xq.dtype == torch.int8 and xq.shape == (9, info["K_pad"])
+        assert torch.equal(xq[:, :K].float(), q)
+        assert not xq[:, K:].any(), "padding must be zero"
+        assert torch.equal(xscale, (torch.ones_like(inv) / inv).squeeze(-1))
+        want = _group_view(xq.to(torch.int32), info["K_pad"], info["group_size"]).sum(-1, dtype=torch.int32)
+        assert xsum.dtype == torch.int32 and torch.equal(xsum, want)
+        assert xsum.shape == (9, info["n_groups"])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_all_zero_rows(gen, isa):
+    M, K = 70, 200
+    blob = _blob(gen, "int2", M, K)
+    x = torch.randn(6, K, generator=gen)
+    x[1] = 0
+    x[4] = 0
+    xq, xscale, xsum = torch.ops.ulb.quantize_act(x, blob)
+    assert not xq[1].any() and not xsum[1].any() and torch.isfinite(xscale).all()
+    bias = torch.randn(M, generator=gen)
+    with runtime.use_isa(isa):
+        y = torch.ops.ulb.linear(x, blob, bias, M)
+        y0 = torch.ops.ulb.linear(x, blob, None, M)
+    assert torch.equal(y[1], bias) and torch.equal(y[4], bias)
+    assert not y0[1].any() and not y0[4].any()
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_row_gives_nan_row(gen, isa, bad):
+    M, K = 70, 200
+    blob = _blob(gen, "ternary", M, K)
+    x = torch.randn(5, K, generator=gen)
+    x[2, 17] = bad
+    with runtime.use_isa(isa):
+        y = torch.ops.ulb.linear(x, blob, None, M)
+        clean = torch.ops.ulb.linear(x[[0, 1, 3, 4]], blob, None, M)
+    assert torch.isnan(y[2]).all()
+    assert torch.equal(y[[0, 1, 3, 4]], clean)
+
+
+# ---- packing ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K,gs", [(1, 1, 0), (7, 33, 16), (33, 257, 32), (100, 4097, 128), (17, 64, 48)])
+def test_pack_unpack_round_trip(gen, fmt, M, K, gs):
+    f = get_format(fmt)
+    codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
+    G = n_groups(normalize_group_size(gs, K), K)
+    scales = torch.randn(M, G, generator=gen) * torch.logspace(-20, 20, G)
+    blob = ops.pack(codes, scales, fmt, gs)
+    assert blob.dtype == torch.uint8 and blob.dim() == 1
+    c2, s2 = ops.unpack(blob)
+    assert c2.dtype == torch.uint8 and torch.equal(c2, codes)
+    assert s2.dtype == torch.float32 and torch.equal(s2.view(torch.int32), scales.view(torch.int32))
+    info = ops.packed_info(blob)
+    assert info["format"] == fmt and info["out_features"] == M and info["in_features"] == K
+    assert info["group_size"] == normalize_group_size(gs, K) and info["n_groups"] == G
+    assert info["M_pad"] % 16 == 0 and M <= info["M_pad"] < M + 16
+    assert info["K_pad"] % 16 == 0 and K <= info["K_pad"] < K + 16
+    # A strided (non-contiguous) code matrix packs the same.
+    wide = torch.zeros(M, 2 * K, dtype=torch.uint8)
+    wide[:, ::2] = codes
+    assert torch.equal(ops.pack(wide[:, ::2], scales, fmt, gs), blob)
+    # The blob size grows with the storage bits.
+    assert blob.numel() >= 64 + M * K * f.bits // 8 + M * G * 4
+
+
+def test_ternary_code_3_rejected():
+    codes = torch.ones(16, 32, dtype=torch.uint8)
+    ops.pack(codes * 2, torch.ones(16, 1), "ternary")  # 2 is the largest valid code
+    codes[5, 7] = 3
+    with pytest.raises(ValueError, match="codes exceed 2"):
+        ops.pack(codes, torch.ones(16, 1), "ternary")
+    with pytest.raises(RuntimeError, match="code out of range"):
+        torch.ops.ulb.pack(codes, torch.ones(16, 1), get_format("ternary").id, 0)
+
+
+class _FormatInfo(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int), ("level_a", ctypes.c_int), ("level_b", ctypes.c_int),
+                ("max_code", ctypes.c_int), ("name", ctypes.c_char_p)]
+
+
+def test_python_format_table_matches_c():
+    lib = runtime._lib
+    lib.ulb_format_get.restype = ctypes.POINTER(_FormatInfo)
+    lib.ulb_format_get.argtypes = [ctypes.c_int]
+    for f in ulbtorch.FORMATS.values():
+        c = lib.ulb_format_get(f.id).contents
+        assert (c.bits, c.level_a, c.level_b, c.max_code, c.name.decode()) == (
+            f.bits, f.level_a, f.level_b, f.max_code, f.name)
+    assert not lib.ulb_format_get(0) and not lib.ulb_format_get(5)
