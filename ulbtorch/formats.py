@@ -21,6 +21,11 @@ class Format:
     max_code: int
 
     @property
+    def k_block(self) -> int:
+        """Input columns per packed tile: group sizes are multiples of it."""
+        return 32 // self.bits
+
+    @property
     def levels(self) -> torch.Tensor:
         q = torch.arange(self.max_code + 1)
         return self.level_a * q + self.level_b
@@ -55,15 +60,15 @@ def get_format(name: str | Format) -> Format:
         raise ValueError(f"unknown weight format {name!r}; known: {sorted(FORMATS)}") from None
 
 
-K_BLOCK = 16
-
-
-def normalize_group_size(group_size: int | None, in_features: int) -> int:
-    """0 means one group per row. Group sizes must be multiples of 16."""
+def normalize_group_size(group_size: int | None, in_features: int, format: str | Format) -> int:
+    """0 means one group per row; otherwise a multiple of the format's tile
+    width (16 for 2-bit and ternary, 32 for 1-bit)."""
     if group_size is None or group_size <= 0 or group_size >= in_features:
         return 0
-    if group_size % K_BLOCK:
-        raise ValueError(f"group_size must be a positive multiple of {K_BLOCK}, got {group_size}")
+    block = get_format(format).k_block
+    if group_size % block:
+        raise ValueError(f"group_size must be a positive multiple of {block} for format "
+                         f"{get_format(format).name!r}, got {group_size}")
     return int(group_size)
 
 

@@ -31,7 +31,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D [out_features, in_features], got shape {tuple(codes.shape)}")
     M, K = codes.shape
-    gs = normalize_group_size(group_size, K)
+    gs = normalize_group_size(group_size, K, fmt)
     scales = scales.detach().to(torch.float32)
     if scales.dim() == 1:
         scales = scales.reshape(-1, 1)
@@ -92,7 +92,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, 
     fmt = get_format(format)
     K = codes.shape[1]
     levels = fmt.codes_to_levels(codes).to(torch.float32)
-    gs = normalize_group_size(group_size, K) or K
+    gs = normalize_group_size(group_size, K, fmt) or K
     s = scales.to(torch.float32).repeat_interleave(gs, dim=1)[:, :K]
     return levels * s
 

@@ -39,8 +39,10 @@ class QuantConfig:
             self.format = _BITS_TO_FORMAT[self.bits]
         if self.format not in FORMATS:
             raise ValueError(f"unknown format {self.format!r}; known: {sorted(FORMATS)}")
-        if self.group_size and self.group_size % 16:
-            raise ValueError(f"group_size must be 0 or a multiple of 16, got {self.group_size}")
+        block = FORMATS[self.format].k_block
+        if self.group_size and self.group_size % block:
+            raise ValueError(f"group_size must be 0 or a multiple of {block} for {self.format!r}, "
+                             f"got {self.group_size}")
         if self.granularity is None:
             self.granularity = "group" if self.group_size else "channel"
 

@@ -58,7 +58,7 @@ def quantize_weight(weight: torch.Tensor, format: str | Format, group_size: int 
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
     M, K = weight.shape
-    gs = normalize_group_size(group_size, K)
+    gs = normalize_group_size(group_size, K, fmt)
     granularity = granularity or ("group" if gs else "channel")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")

@@ -5,7 +5,7 @@
 
 void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                    int64_t n0, int nb, float *facc, int32_t *dots) {
-    const int64_t gs = w->gsteps * ULB_TILE;
+    const int64_t gs = w->gsteps * ulb_tile_k(w->bits);
     for (int j = 0; j < nb; j++) {
         const int8_t *x = a->xq + (n0 + j) * a->ldq;
         const int32_t *xsum = a->xsum + (n0 + j) * w->n_groups;

@@ -21,7 +21,7 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_OK: return "ok";
     case ULB_ERR_FORMAT: return "unknown weight format";
     case ULB_ERR_SHAPE: return "invalid shape or buffer size";
-    case ULB_ERR_GROUP: return "group size must be a positive multiple of 16 (or cover all of K)";
+    case ULB_ERR_GROUP: return "group size must be a positive multiple of 16 (32 for 1-bit), or cover all of K";
     case ULB_ERR_CODE: return "weight code out of range for the format";
     case ULB_ERR_BLOB: return "not a valid ulbtorch packed weight (bad header or size)";
     case ULB_ERR_DTYPE: return "unsupported dtype";
@@ -48,15 +48,15 @@ static ulb_status geometry(int format, int64_t M, int64_t K, int64_t group_size,
     if (!fi) return ULB_ERR_FORMAT;
     if (M <= 0 || K <= 0 || M > ULB_MAX_M || K > ULB_MAX_K) return ULB_ERR_SHAPE;
     g->M_pad = ulb_round_up(M, ULB_TILE);
-    g->K_pad = ulb_round_up(K, ULB_TILE);
+    g->K_pad = ulb_round_up(K, ulb_tile_k(fi->bits));
     if (group_size <= 0 || group_size >= K) {
         g->group_size = g->K_pad;
     } else {
-        if (group_size % ULB_K_BLOCK) return ULB_ERR_GROUP;
+        if (group_size % ulb_tile_k(fi->bits)) return ULB_ERR_GROUP;
         g->group_size = group_size;
     }
     g->n_groups = (g->K_pad + g->group_size - 1) / g->group_size;
-    g->codes_bytes = (g->M_pad / ULB_TILE) * (g->K_pad / ULB_TILE) * ulb_tile_bytes(fi->bits);
+    g->codes_bytes = (g->M_pad / ULB_TILE) * (g->K_pad / ulb_tile_k(fi->bits)) * ULB_TILE_BYTES;
     g->scales_offset = ULB_HEADER_BYTES + ulb_round_up(g->codes_bytes, 64);
     g->total = g->scales_offset + g->n_groups * g->M_pad * (int64_t)sizeof(float);
     return ULB_OK;
@@ -131,8 +131,8 @@ ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
     w->M_pad = h.M_pad;
     w->K_pad = h.K_pad;
     w->n_groups = h.n_groups;
-    w->ksteps = h.K_pad / ULB_TILE;
-    w->gsteps = h.group_size / ULB_TILE;
+    w->ksteps = h.K_pad / ulb_tile_k(fi->bits);
+    w->gsteps = h.group_size / ulb_tile_k(fi->bits);
     w->codes = blob + ULB_HEADER_BYTES;
     w->scales = (const float *)(blob + h.scales_offset);
     return ULB_OK;

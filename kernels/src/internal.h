@@ -12,8 +12,8 @@
 typedef struct {
     int bits, level_a, level_b;
     int64_t M, K, M_pad, K_pad, n_groups;
-    int64_t ksteps; /* K_pad / 16 */
-    int64_t gsteps; /* group_size / 16 */
+    int64_t ksteps; /* K_pad / ulb_tile_k(bits) */
+    int64_t gsteps; /* group_size / ulb_tile_k(bits) */
     const uint8_t *codes;
     const float *scales; /* n_groups x M_pad */
 } ulb_weight;

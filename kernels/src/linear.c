@@ -38,7 +38,7 @@ static ulb_status acts_quantize(const ulb_weight *w, int64_t N, const void *x, u
         acts_free(q);
         return ULB_ERR_NOMEM;
     }
-    ulb_status st = ulb_quantize_act(N, w->K, w->K_pad, w->gsteps * ULB_TILE, x, dt, ldx, incx,
+    ulb_status st = ulb_quantize_act(N, w->K, w->K_pad, w->gsteps * ulb_tile_k(w->bits), x, dt, ldx, incx,
                                      q->xq, q->xscale, q->xsum);
     if (st != ULB_OK) acts_free(q);
     q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum};

@@ -1,8 +1,9 @@
 /* AVX2 microkernels (1-bit and 2-bit codes) for CPUs without AVX-512:
  * u8 codes x s8 activations with vpmaddubsw + vpmaddwd. One 16-row tile at a
  * time (two 8-row halves), so each pass reads one sequential stream.
- * Exact in 16 bits: a maddubs pair is at most 2*3*128 = 768 in magnitude and
- * four of them are summed before widening (<= 3072). Must match
+ * Exact in 16 bits: the products of all fields of a half tile are summed in
+ * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit) or
+ * 8 * 2*1*128 = 2048 (1-bit) in magnitude. Must match
  * ref/panel_ref.c bit for bit. */
 #pragma GCC target("avx2")
 #include <immintrin.h>
@@ -18,32 +19,11 @@ ALWAYS_INLINE __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* 32 one-bit codes -> 32 bytes of 0/1, byte i = bit i. */
-ALWAYS_INLINE __m256i expand_bits(uint32_t d) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)d), spread);
-    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-    return _mm256_and_si256(v, _mm256_set1_epi8(1));
-}
-
-/* VNNI4 u8 operands of half h (rows 8h..8h+7) of one tile. */
-ALWAYS_INLINE void unpack_half(const uint8_t *tp, int h, const int bits, __m256i u[4]) {
-    if (bits == 2) {
-        const __m256i three = _mm256_set1_epi8(3);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(tp + 32 * h));
-        u[0] = _mm256_and_si256(v, three);
-        u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
-        u[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
-        u[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
-    } else {
-        for (int s = 0; s < 4; s++) {
-            uint32_t d;
-            memcpy(&d, tp + 8 * s + 4 * h, sizeof d);
-            u[s] = expand_bits(d);
-        }
-    }
+/* Field f of a half tile brought down to 0..(2^bits - 1): the VNNI4 u8
+ * operand of k-quad f for 8 rows. */
+ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
+    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1));
+    return _mm256_and_si256(f ? _mm256_srli_epi16(v, bits * f) : v, mask);
 }
 
 /* Tiles [t0, t0 + tc) of the panel at `base` (nt tiles per k-step), nb
@@ -53,16 +33,16 @@ ALWAYS_INLINE void unpack_half(const uint8_t *tp, int h, const int bits, __m256i
 ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, int t0,
                               const int tc, const ulb_acts *a, int64_t n0, float *facc,
                               int32_t *dots, int64_t tile0, const int nb, const int bits) {
-    const int64_t tb = ulb_tile_bytes(bits);
+    const int fields = 8 / bits, kt = 32 / bits;
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
     const __m256i ones16 = _mm256_set1_epi16(1);
     const __m256i va = _mm256_set1_epi32(w->level_a);
-    __m256 f[ULB_NB_MAX][ULB_PANEL_TILES][2];
+    __m256 out[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
     for (int j = 0; j < nb; j++)
 #pragma GCC unroll 4
-        for (int t = 0; t < tc; t++) f[j][t][0] = f[j][t][1] = _mm256_setzero_ps();
+        for (int t = 0; t < tc; t++) out[j][t][0] = out[j][t][1] = _mm256_setzero_ps();
 
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
@@ -77,18 +57,21 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    __m256i u[4];
-                    unpack_half(base + (ks * nt + t0 + t) * tb, h, bits, u);
+                    const __m256i v = _mm256_loadu_si256(
+                        (const __m256i *)(base + (ks * nt + t0 + t) * ULB_TILE_BYTES + 32 * h));
+                    __m256i p[ULB_NB_MAX];
+#pragma GCC unroll 8
+                    for (int f = 0; f < fields; f++) {
+                        const __m256i u = field(v, f, bits);
 #pragma GCC unroll 4
-                    for (int j = 0; j < nb; j++) {
-                        const int8_t *xk = x[j] + ks * ULB_TILE;
-                        const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], bcast4(xk)),
-                                                             _mm256_maddubs_epi16(u[1], bcast4(xk + 4)));
-                        const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], bcast4(xk + 8)),
-                                                             _mm256_maddubs_epi16(u[3], bcast4(xk + 12)));
-                        acc[j][t][h] = _mm256_add_epi32(
-                            acc[j][t][h], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), ones16));
+                        for (int j = 0; j < nb; j++) {
+                            const __m256i pf = _mm256_maddubs_epi16(u, bcast4(x[j] + ks * kt + 4 * f));
+                            p[j] = f ? _mm256_add_epi16(p[j], pf) : pf;
+                        }
                     }
+#pragma GCC unroll 4
+                    for (int j = 0; j < nb; j++)
+                        acc[j][t][h] = _mm256_add_epi32(acc[j][t][h], _mm256_madd_epi16(p[j], ones16));
                 }
         }
 #pragma GCC unroll 4
@@ -102,7 +85,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
                     const int64_t r = (t0 + t) * ULB_TILE + 8 * h; /* row within the panel */
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][t][h], va), vb);
                     const __m256 s = _mm256_loadu_ps(w->scales + g * w->M_pad + tile0 * ULB_TILE + r);
-                    f[j][t][h] = _mm256_add_ps(f[j][t][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
+                    out[j][t][h] = _mm256_add_ps(out[j][t][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
                     if (dots)
                         _mm256_storeu_si256(
                             (__m256i *)(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + r), dot);
@@ -115,7 +98,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
         for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + (t0 + t) * ULB_TILE + 8 * h, f[j][t][h]);
+                _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + (t0 + t) * ULB_TILE + 8 * h, out[j][t][h]);
 }
 
 #define ULB_ONE_TOKEN(BITS, NT)                                                                    \

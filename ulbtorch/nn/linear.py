@@ -30,7 +30,7 @@ class LowBitLinear(nn.Module):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.format = fmt.name
-        self.group_size = normalize_group_size(group_size, in_features)
+        self.group_size = normalize_group_size(group_size, in_features, fmt)
         self.granularity = granularity or ("group" if self.group_size else "channel")
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
         if bias:
@@ -59,7 +59,7 @@ class LowBitLinear(nn.Module):
                     granularity: str | None = None, method: str | None = None) -> "LowBitLinear":
         """Round-to-nearest quantisation of an nn.Linear (see ulbtorch.quantizers)."""
         fmt = format or cls.FORMATS[0]
-        gs = normalize_group_size(group_size, linear.in_features)
+        gs = normalize_group_size(group_size, linear.in_features, fmt)
         granularity = granularity or ("group" if gs else "channel")
         codes, scales = quantize_weight(linear.weight, fmt, gs, granularity, method)
         layer = cls.from_codes(codes, scales, format=fmt, group_size=gs if granularity == "group" else 0,

@@ -59,8 +59,8 @@ const ulb_format_info *ulb_format_get(int format);
 
 /* Rows of one panel: threads split work in whole panels. */
 #define ULB_PANEL_ROWS 64
-/* K is padded to a multiple of this; group sizes must be multiples of it. */
-#define ULB_K_BLOCK 16
+/* K is padded to a multiple of 16 (2-bit) or 32 (1-bit) columns; group
+ * sizes must be multiples of the same. */
 
 typedef struct {
     uint32_t magic;   /* ULB_MAGIC */

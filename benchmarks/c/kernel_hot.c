@@ -1,0 +1,51 @@
+/* In-cache throughput of each microkernel (the gamma of seed 000's roofline):
+ * codes per ns and bytes per ns on one core, min over repeats.
+ * Build: see benchmarks/README.md. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../../kernels/src/internal.h"
+
+static double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+
+int main(int argc, char **argv) {
+    const int64_t M = 256, K = argc > 1 ? atoll(argv[1]) : 4096;
+    for (int fmt = ULB_FMT_INT2_SYM; fmt <= ULB_FMT_BINARY; fmt += 2) {
+        const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
+        uint8_t *codes = calloc(M * K, 1), *blob = ulb_aligned_alloc(nbytes);
+        float *sc = calloc(M, 4);
+        for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fmt == ULB_FMT_BINARY ? 2 : 4));
+        for (int64_t i = 0; i < M; i++) sc[i] = 1.0f;
+        ulb_pack(fmt, M, K, 0, codes, K, sc, blob, nbytes);
+        ulb_weight w;
+        ulb_weight_view(blob, nbytes, &w);
+        int8_t *xq = ulb_aligned_alloc(ULB_NB_MAX * w.K_pad);
+        int32_t xsum[ULB_NB_MAX] = {0};
+        for (int64_t i = 0; i < ULB_NB_MAX * w.K_pad; i++) xq[i] = (int8_t)(rand() % 255 - 127);
+        ulb_acts a = {xq, w.K_pad, xsum};
+        float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
+        for (int isa = ULB_ISA_AVX2; isa <= ULB_ISA_AVX512; isa++) {
+            if (!ulb_isa_supported(isa)) continue;
+            ulb_panel_fn fn = ulb_panel_for_isa(isa);
+            for (int nb = 1; nb <= ULB_NB_MAX; nb *= 4) {
+                double best = 1e30;
+                for (int rep = 0; rep < 200; rep++) {
+                    const double t0 = now_ns();
+                    for (int64_t p = 0; p < M / ULB_PANEL_ROWS; p++) fn(&w, p * 4, 4, &a, 0, nb, facc, NULL);
+                    const double dt = now_ns() - t0;
+                    if (dt < best) best = dt;
+                }
+                printf("%-8s %-6s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
+                       ulb_format_get(fmt)->name, ulb_isa_name(isa), nb, M * K * nb / best,
+                       (nbytes - 64) / best, nb);
+            }
+        }
+    }
+    return 0;
+}
