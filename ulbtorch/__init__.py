@@ -6,5 +6,11 @@ from .quantize import QuantConfig, quantize_
 from .serialization import load_quantized, save_quantized
 
 __version__ = "0.1.0"
+
+import importlib.util as _util  # noqa: E402
+
+if _util.find_spec("transformers") is not None:
+    from .integrations import transformers as _hf  # noqa: F401  (registers quant_method "ulb")
+    from .integrations.transformers import UlbConfig  # noqa: F401
 __all__ = ["ops", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "LinearTernary",
            "LowBitLinear", "QuantConfig", "quantize_", "save_quantized", "load_quantized"]

@@ -47,6 +47,19 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
     return torch.ops.ulb.pack(codes.detach().cpu(), scales.cpu(), fmt.id, gs)
 
 
+def packed_nbytes(format: str | Format, out_features: int, in_features: int, group_size: int = 0) -> int:
+    """Size of the blob ulb.pack makes for these parameters."""
+    from .runtime import _lib
+
+    fmt = get_format(format)
+    n = _lib.ulb_packed_nbytes(fmt.id, out_features, in_features,
+                               normalize_group_size(group_size, in_features, fmt))
+    if n < 0:
+        raise ValueError(f"invalid packed weight geometry: format={fmt.name}, out_features={out_features}, "
+                         f"in_features={in_features}, group_size={group_size}")
+    return n
+
+
 def packed_info(packed: torch.Tensor) -> dict:
     _check_packed(packed)
     f, M, K, gs, G, M_pad, K_pad = torch.ops.ulb.packed_info(packed.cpu()).tolist()
@@ -76,7 +89,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token absmax int8 (BitNet's rule, fp32): returns (q as float, scale)
     with x ~= q * scale; bit-identical to the kernels' quantiser."""
     xf = x.float()
-    inv = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    # A real division: `127.0 / tensor` would round twice (reciprocal, then
+    # multiply) and differ from the kernels' 127.0f / amax in the last bit.
+    inv = torch.full_like(amax, 127.0) / amax
     q = (xf * inv).round().clamp(-128, 127)
     return q, 1.0 / inv
 

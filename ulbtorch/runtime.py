@@ -23,6 +23,8 @@ class _SchedStats(ctypes.Structure):
     ]
 
 
+_lib.ulb_packed_nbytes.restype = ctypes.c_int64
+_lib.ulb_packed_nbytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
 _lib.ulb_isa_active.restype = ctypes.c_int
 _lib.ulb_isa_supported.argtypes = [ctypes.c_int]
 _lib.ulb_isa_set.argtypes = [ctypes.c_int]

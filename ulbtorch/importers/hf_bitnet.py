@@ -140,3 +140,51 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
     if still_meta:
         raise ValueError(f"{directory}: checkpoint lacks tensors {still_meta[:5]}")
     return model.eval()
+
+
+def convert_bitnet_model(model: nn.Module) -> nn.Module:
+    """After transformers' own `from_pretrained` of a BitNet checkpoint: swap
+    its BitLinear / AutoBitLinear layers for LinearTernary, in place. The
+    model's quantization config becomes ulbtorch's, so save_pretrained and
+    from_pretrained keep working."""
+    from transformers.integrations.bitnet import AutoBitLinear, BitLinear
+
+    converted = 0
+    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, (BitLinear, AutoBitLinear))]:
+        if getattr(m, "rms_norm", None) is not None:
+            raise NotImplementedError(f"{name}: BitNet layers with use_rms_norm=True are not supported yet")
+        ws = m.weight_scale.detach().float().reshape(-1)
+        if isinstance(m, BitLinear):
+            codes = unpack_hf_bitnet(m.weight.detach(), m.out_features, name + ".weight")
+            scale = 1.0 / ws
+        else:
+            if getattr(m, "online_quant", False):
+                raise ValueError(f"{name}: AutoBitLinear in online mode holds float weights; "
+                                 "use ulbtorch.quantize_(model, bits='ternary', granularity='tensor')")
+            t = m.weight.detach().float()
+            if not bool(((t == -1) | (t == 0) | (t == 1)).all()):
+                raise ValueError(f"{name}.weight: not ternary after loading")
+            codes = (t + 1).to(torch.uint8)
+            scale = ws
+        out_features = codes.shape[0]
+        layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(out_features, 1), format="ternary",
+                                         bias=m.bias, granularity="tensor")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        converted += 1
+    if not converted:
+        raise ValueError("model has no BitLinear/AutoBitLinear layers to convert")
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "quantization_config", None) is not None:
+        from ..integrations.transformers import UlbConfig, UlbHfQuantizer
+
+        qc = config.quantization_config
+        skip = getattr(qc, "modules_to_not_convert", None) or ["lm_head"]
+        ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip))
+        config.quantization_config = ulb
+        model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
+        if hasattr(model, "_weight_conversions"):
+            # transformers would replay BitNet's load-time conversion backwards
+            # on save; our layers are saved as they are.
+            model._weight_conversions = []
+    return model

@@ -32,7 +32,10 @@ class LowBitLinear(nn.Module):
         self.format = fmt.name
         self.group_size = normalize_group_size(group_size, in_features, fmt)
         self.granularity = granularity or ("group" if self.group_size else "channel")
-        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
+        # Sized for this geometry so checkpoints load into it like any buffer;
+        # all zeros is not a valid blob until packed weights are loaded.
+        nbytes = ops.packed_nbytes(fmt, out_features, in_features, self.group_size)
+        self.register_buffer("packed", torch.zeros(nbytes, dtype=torch.uint8, device=device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32),
                                      requires_grad=False)
@@ -83,7 +86,7 @@ class LowBitLinear(nn.Module):
 
     # ---- forward ------------------------------------------------------------
     def _require_packed(self):
-        if self.packed.numel() == 0:
+        if not bool(self.packed[:4].any()):
             raise RuntimeError(f"{type(self).__name__} has no packed weights: build it with from_linear/"
                                "from_codes or load a state_dict")
 
@@ -112,21 +115,26 @@ class LowBitLinear(nn.Module):
         return torch.nn.functional.linear(xq, w, bias).to(x.dtype)
 
     # ---- state dict -----------------------------------------------------------
+    def packed_mismatch(self, blob: torch.Tensor | None = None) -> str | None:
+        """Why `blob` (default: this layer's) does not fit this layer, or None."""
+        blob = self.packed if blob is None else blob
+        try:
+            info = ops.packed_info(blob)
+        except (TypeError, RuntimeError) as e:
+            return str(e)
+        expect = dict(format=self.format, out_features=self.out_features,
+                      in_features=self.in_features, group_size=self.group_size)
+        got = {k: info[k] for k in expect}
+        return None if got == expect else f"packed weight is {got}, but the layer is {expect}"
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "packed"
         if key in state_dict:
             blob = state_dict[key]
-            try:
-                info = ops.packed_info(blob)
-            except (TypeError, RuntimeError) as e:
-                error_msgs.append(f"{key}: {e}")
-                return
-            expect = dict(format=self.format, out_features=self.out_features,
-                          in_features=self.in_features, group_size=self.group_size)
-            got = {k: info[k] for k in expect}
-            if got != expect:
-                error_msgs.append(f"{key}: packed weight is {got}, but the layer is {expect}")
+            why = self.packed_mismatch(blob)
+            if why:
+                error_msgs.append(f"{key}: {why}")
                 return
             # The blob's size depends on the shape and format: resize, then let
             # nn.Module copy it in as usual.

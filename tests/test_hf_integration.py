@@ -1,0 +1,84 @@
+"""transformers quantization method "ulb" and the BitNet conversion after
+transformers' own from_pretrained."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from ulbtorch import UlbConfig  # noqa: E402
+from ulbtorch.importers import convert_bitnet_model  # noqa: E402
+from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary  # noqa: E402
+
+from test_importers import make_checkpoint  # noqa: E402
+
+CFG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("float")
+    AutoModelForCausalLM.from_config(LlamaConfig(**CFG)).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("bits,cls,gs", [(2, Linear2Bit, 64), (1, Linear1Bit, 0), ("ternary", LinearTernary, 32)])
+def test_quantize_on_load_then_save_and_reload_bit_exact(float_dir, tmp_path, bits, cls, gs):
+    model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=bits, group_size=gs))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, cls)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    ids = torch.randint(0, 300, (1, 7))
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "ulb" and saved["group_size"] == gs
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    layer = again.model.layers[1].mlp.down_proj
+    assert isinstance(layer, cls)
+    assert torch.equal(layer.packed, model.model.layers[1].mlp.down_proj.packed)
+    assert torch.equal(again(ids).logits, logits)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="bits"):
+        UlbConfig(bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        UlbConfig(bits=2, group_size=40)
+
+
+def test_packed_checkpoint_disagreeing_with_config_fails(float_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=2))
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["format"] = "int2"  # same size, other level map
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="q_proj: the checkpoint disagrees"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    cfg["quantization_config"].update(format="binary", bits=1)  # other size
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError, match="mismatch"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("linear_class", ["bitlinear", "autobitlinear"])
+def test_bitnet_from_pretrained_then_convert(tmp_path, linear_class):
+    make_checkpoint(tmp_path, linear_class)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    convert_bitnet_model(model)
+    layers = [m for m in model.modules() if isinstance(m, LinearTernary)]
+    assert len(layers) == 14 and all(m.granularity == "tensor" for m in layers)
+    out = tmp_path / "converted"
+    model.save_pretrained(out)
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert isinstance(again.model.layers[0].mlp.gate_proj, LinearTernary)
+    # (Whole-model logits are not compared: transformers' own BitNet loading
+    # path computes the rotary embedding at another precision.)
+    before, after = model.state_dict(), again.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    x = torch.randn(2, 128)
+    assert torch.equal(again.model.layers[1].self_attn.q_proj(x), model.model.layers[1].self_attn.q_proj(x))

@@ -1,0 +1,77 @@
+"""transformers quantization method "ulb".
+
+    AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=2, group_size=128))
+quantises the float checkpoint as it loads;
+    model.save_pretrained(out); AutoModelForCausalLM.from_pretrained(out)
+writes and reads back the packed weights bit for bit, without re-quantising:
+before the weights load, the selected nn.Linear layers become empty low-bit
+layers whose `packed` buffers the checkpoint fills like any other tensor.
+"""
+from __future__ import annotations
+
+from torch import nn
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..nn import MODULE_FOR_FORMAT, LowBitLinear
+from ..quantize import QuantConfig, quantize_
+
+QUANT_METHOD = "ulb"
+
+
+@register_quantization_config(QUANT_METHOD)
+class UlbConfig(QuantizationConfigMixin):
+    """bits: 1, "ternary" or 2 (or format: "int2_sym" | "int2" | "ternary" |
+    "binary"); group_size 0 = per output channel; modules_to_not_convert:
+    fnmatch patterns kept in float (default lm_head)."""
+
+    def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
+                 modules_to_not_convert=None, **kwargs):
+        self.quant_method = QUANT_METHOD
+        self.modules_to_not_convert = list(modules_to_not_convert or ["lm_head", "*.lm_head"])
+        q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,
+                        method=method, exclude=self.modules_to_not_convert)
+        self.bits, self.format, self.group_size = q.bits, q.format, q.group_size
+        self.granularity, self.method = q.granularity, q.method
+
+    def to_quant_config(self) -> QuantConfig:
+        return QuantConfig(bits=self.bits, format=self.format, group_size=self.group_size,
+                           granularity=self.granularity, method=self.method,
+                           exclude=self.modules_to_not_convert)
+
+
+@register_quantizer(QUANT_METHOD)
+class UlbHfQuantizer(HfQuantizer):
+    requires_calibration = False
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            return model
+        cfg = self.quantization_config.to_quant_config()
+        cls = MODULE_FOR_FORMAT[cfg.format]
+        gs = cfg.group_size if cfg.granularity == "group" else 0
+        for name, lin in [(n, m) for n, m in model.named_modules()
+                          if type(m) is nn.Linear and cfg.selects(n)]:
+            layer = cls(lin.in_features, lin.out_features, lin.bias is not None, format=cfg.format,
+                        group_size=gs, granularity=cfg.granularity, device=lin.weight.device,
+                        dtype=lin.weight.dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            quantize_(model, self.quantization_config.to_quant_config())
+            return model
+        for name, m in model.named_modules():
+            why = isinstance(m, LowBitLinear) and m.packed_mismatch()
+            if why:
+                raise ValueError(f"{name}: the checkpoint disagrees with its quantization_config: {why}")
+        return model
+
+    def is_serializable(self, **kwargs):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
