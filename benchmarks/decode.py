@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import ulbtorch  # noqa: E402
-from ulbtorch import LowBitLinear, QuantConfig  # noqa: E402
+from ulbtorch import LowBitLinear, QuantConfig, get_format  # noqa: E402
+from ulbtorch.quantizers import default_method  # noqa: E402
 
 LLAMA_DEFAULTS = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -148,10 +149,11 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, help="override vocab_size (quick runs)")
     p.add_argument("--formats", default="2", help="comma-separated: 2 (int2_sym), int2, ternary, 1 (binary); default 2")
     p.add_argument("--group-size", type=int, default=0, help="0 = per-channel scales (default)")
-    p.add_argument("--method", default="absmax",
-                   help="scale rule passed to quantize_ (absmax|absmean|mse|auto). Default absmax: speed does not "
-                        "depend on it and the library default (mse for 2-bit) takes minutes on 1B+ models; "
-                        "'auto' uses the library default")
+    p.add_argument("--method", default="fast",
+                   help="scale rule passed to quantize_: absmax|absmean|mse|auto (library default)|fast. Default "
+                        "fast = the library default unless that is the slow mse search (2-bit, ternary per "
+                        "channel), then absmax: decode speed does not depend on it, and mse takes minutes on 1B+ "
+                        "models on 2 cores")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize lm_head too (quantize_ leaves it in bf16 by default)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads (default: current)")
@@ -163,13 +165,13 @@ def main(argv=None):
                    help="share of decode time in linear layers (bf16) / ulb ops (quantized) and the Amdahl bound")
     p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke test: 2 layers, vocab 32000, 8 tokens, 1 rep")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 layer, vocab 32000, 8 tokens, 1 rep")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
 
     if args.quick:
-        args.layers = args.layers or 2
+        args.layers = args.layers or 1
         args.vocab_size = args.vocab_size or 32000
         args.tokens = min(args.tokens, 8)
         args.reps = 1
@@ -183,7 +185,13 @@ def main(argv=None):
     if args.vocab_size:
         cfg["vocab_size"] = args.vocab_size
     formats = common.parse_formats(args.formats)
-    method = None if args.method == "auto" else args.method
+    def method_for(fmt):
+        if args.method == "auto":
+            return None
+        if args.method == "fast":
+            gran = "group" if args.group_size else "channel"
+            return "absmax" if default_method(get_format(fmt), gran) == "mse" else None
+        return args.method
 
     torch.set_num_threads(args.threads)
     common.select_isa(args.isa)
@@ -199,7 +207,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(3, cfg["vocab_size"], (1, args.prompt_len), generator=gen)
 
-    qcfg_kw = dict(group_size=args.group_size, method=method)
+    qcfg_kw = dict(group_size=args.group_size)
     if args.quantize_lm_head:
         qcfg_kw["exclude"] = []
 
@@ -258,9 +266,10 @@ def main(argv=None):
     for fmt in formats:
         name = f"ulb {fmt}"
         t0 = time.perf_counter()
-        qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, **qcfg_kw)
+        method = method_for(fmt)
+        qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, **qcfg_kw)
         n_low = sum(isinstance(m, LowBitLinear) for m in qm.modules())
-        print(f"  quantize_({fmt}, method={method or 'default'}): {n_low} layers, "
+        print(f"  quantize_({fmt}, method={method or 'library default'}): {n_low} layers, "
               f"{time.perf_counter() - t0:.1f} s")
         out = run_variant(name, qm)
         results[name]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
@@ -298,7 +307,8 @@ def main(argv=None):
         ptab = common.Table([("variant", "variant", None), ("f", "f (bf16)", ".3f"),
                              ("ulb_share", "ulb share", ".3f"), ("s_lin", "s linear (meas.)", ".2f"),
                              ("s_bytes", "s bytes", ".0f"), ("bound_bytes", "bound@bytes", ".2f"),
-                             ("bound_meas", "bound@meas.", ".2f"), ("measured", "measured x", ".2f")],
+                             ("bound_meas", "bound@meas.", ".2f"), ("measured_hooked", "measured x (hooked)", ".2f"),
+                             ("measured", "measured x", ".2f")],
                             title="Amdahl: bound = 1/((1-f)+f/s)", min_widths=dict(variant=22))
         for fmt in formats:
             name = f"ulb {fmt}"
@@ -307,13 +317,13 @@ def main(argv=None):
             s_lin = b.get("quantizable_s", 0.0) / q["ulb_s"] if q.get("ulb_s") else float("nan")
             row = dict(variant=name, f=f_q, ulb_share=q.get("ulb_s", 0.0) / q["total_s"], s_lin=s_lin,
                        s_bytes=s_bytes, bound_bytes=amdahl(f_q, s_bytes), bound_meas=amdahl(f_q, s_lin),
-                       measured=results[name]["speedup"], profile=q)
+                       measured_hooked=b["total_s"] / q["total_s"], measured=results[name]["speedup"], profile=q)
             ptab.add(row)
             results[name]["amdahl"] = row
         ptab.print()
         print("f: share of bf16 decode time in the layers that get quantized; s bytes: 16 / bits per weight; "
               "s linear (meas.): bf16 time in those layers / time in ulb layers (from the hooks); "
-              "measured x: end-to-end speed-up without hooks")
+              "measured x: end-to-end speed-up of the timed runs (without hooks); (hooked): of the profiled runs")
         results["_profile"] = prof
 
     if args.quick:

@@ -35,9 +35,15 @@ from ulbtorch.nn import MODULE_FOR_FORMAT  # noqa: E402
 N_DISTINCT = 2  # genuinely different random matrices per shape; the rest of a rotation are copies
 
 
+def effective_group_size(group_size: int, K: int) -> int:
+    """0 (one scale per row) when group_size is 0 or covers the whole row, as ulbtorch does."""
+    return group_size if 0 < group_size < K else 0
+
+
 def random_codes_scales(M: int, K: int, fmt: str, group_size: int, gen: torch.Generator):
     f = get_format(fmt)
     codes = torch.randint(0, f.max_code + 1, (M, K), dtype=torch.uint8, generator=gen)
+    group_size = effective_group_size(group_size, K)
     G = 1 if not group_size else -(-K // group_size)
     scales = torch.rand(M, G, generator=gen) * 0.02 + 0.01  # per-channel (or per-group) scales
     return codes, scales
@@ -48,6 +54,7 @@ class OursRotation:
 
     def __init__(self, M, K, fmt, group_size, rotate_bytes, min_bytes, module, gen):
         self.M, self.K, self.fmt, self.module = M, K, fmt, module
+        group_size = effective_group_size(group_size, K)
         bases = [random_codes_scales(M, K, fmt, group_size, gen) for _ in range(N_DISTINCT)]
         blobs = [ulbtorch.ops.pack(c, s, fmt, group_size) for c, s in bases]
         self.blob_bytes = blobs[0].numel()  # codes + scales + header: all the kernel reads of W
@@ -145,9 +152,11 @@ def main(argv=None):
     print(f"# ours: {what}, activations {args.act_dtype}; baseline: F.linear bf16; "
           f"cold rotation ~{args.rotate_mib:.0f} MiB (>= {args.min_rotate_mib:.0f} MiB); median of {args.reps}")
 
-    print("# measuring DRAM read bandwidth ...")
-    bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
-                                       verbose=True)
+    bw = {}
+    if not args.no_gemv:
+        print("# measuring DRAM read bandwidth ...")
+        bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
+                                           verbose=True)
     gen = torch.Generator().manual_seed(0)
     prev_threads = torch.get_num_threads()
 
@@ -218,10 +227,10 @@ def main(argv=None):
                         gc.collect()
                     # -- prefill GEMM, hot ----------------------------------------------
                     if prefill_ns:
-                        codes, scales = random_codes_scales(M, K, fmt, args.group_size, gen)
-                        blob = ulbtorch.ops.pack(codes, scales, fmt, args.group_size)
-                        mod = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt,
-                                                                group_size=args.group_size)
+                        gs = effective_group_size(args.group_size, K)
+                        codes, scales = random_codes_scales(M, K, fmt, gs, gen)
+                        blob = ulbtorch.ops.pack(codes, scales, fmt, gs)
+                        mod = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, group_size=gs)
                         w = torch.randn(M, K, generator=gen).to(torch.bfloat16) * 0.02
                         for nt in threads:
                             torch.set_num_threads(nt)
@@ -249,7 +258,7 @@ def main(argv=None):
     # -- summary -------------------------------------------------------------------
     notes = []
     print("\n## Summary (ratios measured in this run)")
-    for nt in threads:
+    for nt in bw:
         print(f"read bandwidth {nt} thread(s): {bw[nt]['gbps']:.1f} GB/s ({bw[nt]['method']})")
     if gemv.rows:
         for fmt in formats:
