@@ -39,15 +39,16 @@ def _weight(fmt, M, K, gs):
     g = _gen("w", fmt, M, K, gs)
     f = get_format(fmt)
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=g, dtype=torch.uint8)
-    G = n_groups(normalize_group_size(gs, K), K)
+    G = n_groups(normalize_group_size(gs, K, fmt), K)
     scales = torch.rand(M, G, generator=g) * 0.9 + 0.1
     return codes, scales, ops.pack(codes, scales, fmt, gs)
 
 
 def _group_view(t, K, gs):
-    """[R, >=K] -> [R, G, gs_eff] over the first K columns, zero padded."""
-    gs = normalize_group_size(gs, K) or K
-    G = n_groups(normalize_group_size(gs, K), K)
+    """[R, >=K] -> [R, G, gs] over the first K columns, zero padded; gs is
+    a normalised group size (0: one group)."""
+    gs = gs or K
+    G = -(-K // gs)
     t = t[:, :K]
     t = torch.nn.functional.pad(t, (0, G * gs - K))
     return t.reshape(t.shape[0], G, gs)
@@ -82,25 +83,6 @@ def _acts_float(fmt, M, K, gs, N):
     return torch.randn(N, K, generator=g) * (torch.rand(N, 1, generator=g) * 4 + 0.01)
 
 
-@functools.lru_cache(maxsize=4)
-def _scalar_dots(fmt, M, K, gs):
-    _, _, blob = _weight(fmt, M, K, gs)
-    out = {}
-    with runtime.use_isa("scalar"):
-        for N in _ns(M, K):
-            xq, xsum = _acts_int8(fmt, M, K, gs, N, blob)
-            out[N] = torch.ops.ulb.int_dots(blob, xq, xsum)
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _scalar_linear(fmt, M, K, gs):
-    _, _, blob = _weight(fmt, M, K, gs)
-    with runtime.use_isa("scalar"):
-        return {N: torch.ops.ulb.linear(_acts_float(fmt, M, K, gs, N), blob, None, M)
-                for N in _ns(M, K)}
-
-
 def epilogue(blob, x):
     """The documented fp32 epilogue, in PyTorch: per-group scale times the
     integer dot, groups added in order, times the activation scale."""
@@ -113,31 +95,53 @@ def epilogue(blob, x):
     return f * xscale[:, None]
 
 
+@functools.lru_cache(maxsize=2)
+def _dots_expected(fmt, M, K, gs):
+    """Per N: (xq, xsum, scalar-ISA int_dots, pure-torch int64 dots)."""
+    _, _, blob = _weight(fmt, M, K, gs)
+    out = {}
+    for N in _ns(M, K):
+        xq, xsum = _acts_int8(fmt, M, K, gs, N, blob)
+        with runtime.use_isa("scalar"):
+            scalar = torch.ops.ulb.int_dots(blob, xq, xsum)
+        out[N] = (xq, xsum, scalar, torch_int_dots(blob, xq))
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _linear_expected(fmt, M, K, gs):
+    """Per N: (x, scalar-ISA output, PyTorch epilogue)."""
+    _, _, blob = _weight(fmt, M, K, gs)
+    out = {}
+    for N in _ns(M, K):
+        x = _acts_float(fmt, M, K, gs, N)
+        with runtime.use_isa("scalar"):
+            scalar = torch.ops.ulb.linear(x, blob, None, M)
+        out[N] = (x, scalar, epilogue(blob, x))
+    return out
+
+
 @pytest.mark.parametrize("fmt,M,K,gs,isa", GRID)
 def test_int_dots(fmt, M, K, gs, isa):
     _, _, blob = _weight(fmt, M, K, gs)
-    scalar = _scalar_dots(fmt, M, K, gs)
-    G = n_groups(normalize_group_size(gs, K), K)
-    for N in _ns(M, K):
-        xq, xsum = _acts_int8(fmt, M, K, gs, N, blob)
+    G = n_groups(normalize_group_size(gs, K, fmt), K)
+    for N, (xq, xsum, scalar, exact) in _dots_expected(fmt, M, K, gs).items():
         with runtime.use_isa(isa):
             dots = torch.ops.ulb.int_dots(blob, xq, xsum)
         assert dots.dtype == torch.int32 and dots.shape == (N, M, G)
-        assert torch.equal(dots, scalar[N]), f"N={N}: {isa} int_dots differ from scalar"
-        assert torch.equal(dots.to(torch.int64), torch_int_dots(blob, xq)), f"N={N}: wrong integer dots"
+        assert torch.equal(dots, scalar), f"N={N}: {isa} int_dots differ from scalar"
+        assert torch.equal(dots, exact), f"N={N}: {isa} int_dots differ from the integer sum"
 
 
 @pytest.mark.parametrize("fmt,M,K,gs,isa", GRID)
 def test_linear_fp32_bit_identical(fmt, M, K, gs, isa):
     _, _, blob = _weight(fmt, M, K, gs)
-    scalar = _scalar_linear(fmt, M, K, gs)
-    for N in _ns(M, K):
-        x = _acts_float(fmt, M, K, gs, N)
+    for N, (x, scalar, exact) in _linear_expected(fmt, M, K, gs).items():
         with runtime.use_isa(isa):
             y = torch.ops.ulb.linear(x, blob, None, M)
         assert y.dtype == torch.float32 and y.shape == (N, M)
-        assert torch.equal(y, scalar[N]), f"N={N}: {isa} output differs from scalar"
-        assert torch.equal(y, epilogue(blob, x)), f"N={N}: output is not the documented epilogue"
+        assert torch.equal(y, scalar), f"N={N}: {isa} output differs from scalar"
+        assert torch.equal(y, exact), f"N={N}: {isa} output is not the documented epilogue"
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -163,7 +167,7 @@ def test_int_dots_extremes_at_max_k(fmt):
 def _blob(gen, fmt="int2_sym", M=70, K=200, gs=32):
     f = get_format(fmt)
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
-    G = n_groups(normalize_group_size(gs, K), K)
+    G = n_groups(normalize_group_size(gs, K, fmt), K)
     return ops.pack(codes, torch.rand(M, G, generator=gen) + 0.05, fmt, gs)
 
 
@@ -319,11 +323,16 @@ def test_non_finite_row_gives_nan_row(gen, isa, bad):
 # ---- packing ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("M,K,gs", [(1, 1, 0), (7, 33, 16), (33, 257, 32), (100, 4097, 128), (17, 64, 48)])
+@pytest.mark.parametrize("M,K,gs", [(1, 1, 0), (7, 33, 32), (33, 257, 32), (100, 4097, 128), (17, 100, 64),
+                                    (5, 100, "block"), (9, 200, "3block")])
 def test_pack_unpack_round_trip(gen, fmt, M, K, gs):
     f = get_format(fmt)
+    if gs == "block":  # the smallest group the format takes
+        gs = f.k_block
+    elif gs == "3block":
+        gs = 3 * f.k_block
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
-    G = n_groups(normalize_group_size(gs, K), K)
+    G = n_groups(normalize_group_size(gs, K, fmt), K)
     scales = torch.randn(M, G, generator=gen) * torch.logspace(-20, 20, G)
     blob = ops.pack(codes, scales, fmt, gs)
     assert blob.dtype == torch.uint8 and blob.dim() == 1
@@ -332,9 +341,9 @@ def test_pack_unpack_round_trip(gen, fmt, M, K, gs):
     assert s2.dtype == torch.float32 and torch.equal(s2.view(torch.int32), scales.view(torch.int32))
     info = ops.packed_info(blob)
     assert info["format"] == fmt and info["out_features"] == M and info["in_features"] == K
-    assert info["group_size"] == normalize_group_size(gs, K) and info["n_groups"] == G
+    assert info["group_size"] == normalize_group_size(gs, K, fmt) and info["n_groups"] == G
     assert info["M_pad"] % 16 == 0 and M <= info["M_pad"] < M + 16
-    assert info["K_pad"] % 16 == 0 and K <= info["K_pad"] < K + 16
+    assert info["K_pad"] % f.k_block == 0 and K <= info["K_pad"] < K + f.k_block
     # A strided (non-contiguous) code matrix packs the same.
     wide = torch.zeros(M, 2 * K, dtype=torch.uint8)
     wide[:, ::2] = codes

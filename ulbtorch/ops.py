@@ -13,6 +13,8 @@ _ACT_DTYPES = (torch.float32, torch.bfloat16)
 
 @torch.library.register_fake("ulb::linear")
 def _linear_fake(x, packed, bias, out_features):
+    if packed.device != x.device:
+        raise ValueError(f"ulb.linear: input is on {x.device} but the packed weight is on {packed.device}")
     return x.new_empty((*x.shape[:-1], out_features))
 
 

@@ -25,7 +25,9 @@ def default_method(fmt: Format, granularity: str) -> str:
 
 
 def _codes_for(w: torch.Tensor, s: torch.Tensor, fmt: Format) -> torch.Tensor:
-    t = w / s.clamp(min=1e-12)
+    # Multiply by the reciprocal, as BitNet does (W * (1/mean|W|)), so that
+    # absmean ternarisation picks exactly BitNet's codes.
+    t = w * (1.0 / s.clamp(min=1e-12))
     return ((t - fmt.level_b) / fmt.level_a).round().clamp(0, fmt.max_code)
 
 
@@ -33,7 +35,12 @@ def _scale(wg: torch.Tensor, fmt: Format, method: str) -> torch.Tensor:
     """wg: [..., n] values sharing one scale -> scale [..., 1]."""
     max_level = float(fmt.levels.abs().max())
     if method == "absmean":
-        return wg.abs().mean(dim=-1, keepdim=True).clamp(min=1e-8)
+        # BitNet b1.58: inv = 1 / max(mean|W|, 1e-5), W ~ round(W * inv) / inv.
+        # s = 1/inv (one rounding) makes s * level equal BitNet's q / inv, and
+        # 1/s gives back inv exactly for the codes above in all but ties, which
+        # the lossless test checks.
+        inv = 1.0 / wg.abs().mean(dim=-1, keepdim=True).clamp(min=1e-5)
+        return 1.0 / inv
     amax = wg.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
     if method == "absmax":
         return amax / max_level

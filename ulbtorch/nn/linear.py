@@ -94,6 +94,8 @@ class LowBitLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, "
                              f"got input of shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} takes floating-point input, got {x.dtype}")
         if x.device.type == "cpu" and not self.force_reference:
             dtype = x.dtype
             xin = x if dtype in (torch.float32, torch.bfloat16) else x.float()

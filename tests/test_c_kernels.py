@@ -1,0 +1,26 @@
+"""The C unit test of kernels/ (tests/c/test_kernels.c), built without torch."""
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFLAGS = ["-O2", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-Wall"]
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_c_kernels(tmp_path):
+    sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c")]
+    for d in ("kernels/src", "kernels/ref", "kernels/x86"):
+        found = sorted(glob.glob(os.path.join(ROOT, d, "*.c")))
+        assert found or d == "kernels/x86", f"no C sources in {d}"
+        sources += found
+    exe = str(tmp_path / "test_kernels")
+    build = subprocess.run(["gcc", *CFLAGS, "-I" + os.path.join(ROOT, "kernels", "include"), *sources,
+                            "-o", exe, "-lm", "-lpthread"], capture_output=True, text=True, timeout=180)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
+    assert " 0 failed" in run.stdout, run.stdout[-4000:]

@@ -1,0 +1,305 @@
+"""Bad input gives a clear Python exception, never garbage or a crash."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ulbtorch
+from ulbtorch import ops, runtime
+from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary
+
+M, K = 8, 64
+
+
+@pytest.fixture
+def blob():
+    codes = torch.randint(0, 4, (M, K), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    return ops.pack(codes, torch.rand(M, 1) + 0.1, "int2_sym")
+
+
+@pytest.fixture
+def x():
+    return torch.randn(3, K)
+
+
+# ---- torch.ops.ulb.linear ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,name", [(torch.float64, "float64"), (torch.float16, "float16"),
+                                        (torch.int64, "int64"), (torch.int32, "int32"),
+                                        (torch.uint8, "uint8")])
+def test_linear_wrong_input_dtype(blob, x, dtype, name):
+    with pytest.raises(RuntimeError, match=f"input must be float32 or bfloat16, got {name}"):
+        torch.ops.ulb.linear(x.to(dtype), blob, None, M)
+    if dtype != torch.float16:
+        with pytest.raises(TypeError, match="input must be float32 or bfloat16"):
+            ops.linear(x.to(dtype), blob, None, M)
+
+
+def test_linear_wrong_bias(blob, x):
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[8\]"):
+        torch.ops.ulb.linear(x, blob, torch.zeros(M - 1), M)
+    with pytest.raises(RuntimeError, match="bias must be float32 or bfloat16, got float64"):
+        torch.ops.ulb.linear(x, blob, torch.zeros(M, dtype=torch.float64), M)
+
+
+def test_linear_wrong_in_features(blob):
+    with pytest.raises(RuntimeError, match="input has 60 features but the packed weight expects 64"):
+        torch.ops.ulb.linear(torch.randn(3, 60), blob, None, M)
+    with pytest.raises(RuntimeError, match="at least 1 dim"):
+        torch.ops.ulb.linear(torch.tensor(1.0), blob, None, M)
+
+
+def test_linear_wrong_out_features(blob, x):
+    with pytest.raises(RuntimeError, match="out_features=9 but the packed weight has 8 rows"):
+        torch.ops.ulb.linear(x, blob, None, 9)
+
+
+def test_packed_not_a_blob(blob, x):
+    g = torch.Generator().manual_seed(1)
+    random_bytes = torch.randint(0, 256, (blob.numel(),), generator=g, dtype=torch.uint8)
+    for bad in (random_bytes, blob[:-4].clone(), blob[:-4], torch.cat([blob, blob[:1]]),
+                torch.empty(0, dtype=torch.uint8), blob[:63].clone()):
+        with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+            torch.ops.ulb.linear(x, bad, None, M)
+        with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+            ops.unpack(bad)
+    for bad in (blob.float(), blob.view(1, -1), blob.to(torch.int8),
+                torch.stack([blob, blob], 1)[:, 0]):  # non-contiguous
+        with pytest.raises(RuntimeError, match="packed weight must be a 1-D contiguous uint8 tensor"):
+            torch.ops.ulb.linear(x, bad, None, M)
+    with pytest.raises(TypeError, match="packed weight must be the 1-D uint8 tensor"):
+        ops.packed_info(blob.float())
+    with pytest.raises(TypeError, match="packed weight must be the 1-D uint8 tensor"):
+        ops.unpack(blob.view(1, -1))
+
+
+@pytest.mark.parametrize("offset,value,what", [(0, 0x00, "magic"), (4, 0x02, "version"),
+                                               (6, 0x09, "format id"), (6, 0x04, "format of another size"),
+                                               (8, 0x20, "M"), (16, 0x50, "K"), (24, 0x20, "group size"),
+                                               (32, 0x02, "n_groups"), (40, 0x20, "M_pad"),
+                                               (48, 0x50, "K_pad"), (56, 0x00, "scales offset")])
+def test_corrupt_header(blob, x, offset, value, what):
+    bad = blob.clone()
+    assert bad[offset] != value
+    bad[offset] = value
+    with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+        torch.ops.ulb.linear(x, bad, None, M)
+    with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+        ops.packed_info(bad)
+
+
+def test_int_dots_and_quantize_act_shapes(blob):
+    with pytest.raises(RuntimeError, match=r"input must be \[N, 64\]"):
+        torch.ops.ulb.quantize_act(torch.randn(3, 60), blob)
+    with pytest.raises(RuntimeError, match=r"xq must be int8 \[N, 64\]"):
+        torch.ops.ulb.int_dots(blob, torch.zeros(3, 60, dtype=torch.int8), torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"xq must be int8"):
+        torch.ops.ulb.int_dots(blob, torch.zeros(3, 64), torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"xsum must be int32 \[N, 1\]"):
+        torch.ops.ulb.int_dots(blob, torch.zeros(3, 64, dtype=torch.int8), torch.zeros(2, 1, dtype=torch.int32))
+
+
+def test_meta_input_to_op_raises(blob, x):
+    """A meta input with a real CPU blob cannot be computed: an error, not a
+    silently shaped meta result and not a crash."""
+    with pytest.raises((RuntimeError, ValueError), match="(?i)device|meta"):
+        torch.ops.ulb.linear(x.to("meta"), blob, None, M)
+    with pytest.raises(ValueError, match="runs on CPU; input is on meta"):
+        ops.linear(x.to("meta"), blob, None, M)
+
+
+# ---- packing ----------------------------------------------------------------------------------
+
+def test_bad_group_size():
+    codes = torch.zeros(M, K, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 16"):
+        ops.pack(codes, torch.ones(M, 3), "int2", 24)
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 32 for format 'binary'"):
+        ops.pack(codes, torch.ones(M, 4), "binary", 16)
+    with pytest.raises(RuntimeError, match="group size must be a positive multiple of 16"):
+        torch.ops.ulb.pack(codes, torch.ones(M, 3), ulbtorch.get_format("int2").id, 24)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Linear2Bit(K, M, group_size=24)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Linear1Bit(K, M, group_size=48)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ulbtorch.QuantConfig(bits=2, group_size=40)
+    lin = torch.nn.Linear(K, M)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        LinearTernary.from_linear(lin, group_size=8)
+    with pytest.raises(ValueError, match="granularity='group' needs a group_size"):
+        Linear2Bit.from_linear(lin, granularity="group", group_size=0)
+
+
+def test_unknown_format():
+    codes = torch.zeros(M, K, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+        ops.pack(codes, torch.ones(M, 1), "int3")
+    with pytest.raises(RuntimeError, match="unknown format id 9"):
+        torch.ops.ulb.pack(codes, torch.ones(M, 1), 9, 0)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        ops.dequantize(codes, torch.ones(M, 1), "int4")
+    with pytest.raises(ValueError, match="unknown format 'int4'"):
+        ulbtorch.QuantConfig(format="int4")
+    with pytest.raises(ValueError, match="bits must be 1, 'ternary'/1.58 or 2, got 3"):
+        ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(K, M)), bits=3)
+    with pytest.raises(ValueError, match="Linear2Bit takes formats"):
+        Linear2Bit(K, M, format="ternary")
+    with pytest.raises(ValueError, match="LinearTernary takes formats"):
+        LinearTernary.from_linear(torch.nn.Linear(K, M), format="binary")
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        Linear2Bit.from_linear(torch.nn.Linear(K, M), granularity="row")
+    with pytest.raises(ValueError, match="method must be one of"):
+        Linear2Bit.from_linear(torch.nn.Linear(K, M), method="gptq")
+
+
+@pytest.mark.parametrize("fmt,code", [("int2", 4), ("int2_sym", 255), ("ternary", 3), ("binary", 2)])
+def test_codes_out_of_range(fmt, code):
+    codes = torch.zeros(M, K, dtype=torch.uint8)
+    codes[M - 1, K - 1] = code
+    with pytest.raises(ValueError, match="codes exceed"):
+        ops.pack(codes, torch.ones(M, 1), fmt)
+    with pytest.raises(RuntimeError, match="weight code out of range for the format"):
+        torch.ops.ulb.pack(codes, torch.ones(M, 1), ulbtorch.get_format(fmt).id, 0)
+    cls = {"int2": Linear2Bit, "int2_sym": Linear2Bit, "ternary": LinearTernary, "binary": Linear1Bit}[fmt]
+    with pytest.raises(ValueError, match="codes exceed"):
+        cls.from_codes(codes, torch.ones(M, 1), format=fmt)
+
+
+def test_codes_wrong_dtype_or_shape():
+    with pytest.raises(TypeError, match="codes must be uint8, got torch.int64"):
+        ops.pack(torch.zeros(M, K, dtype=torch.int64), torch.ones(M, 1), "int2")
+    with pytest.raises(ValueError, match="codes must be 2-D"):
+        ops.pack(torch.zeros(K, dtype=torch.uint8), torch.ones(1, 1), "int2")
+    with pytest.raises(ValueError, match=r"scales must have shape \(8, 1\)"):
+        ops.pack(torch.zeros(M, K, dtype=torch.uint8), torch.ones(M - 1, 1), "int2")
+    with pytest.raises(RuntimeError, match="invalid shape"):
+        ops.pack(torch.zeros(0, K, dtype=torch.uint8), torch.ones(0, 1), "int2")
+    with pytest.raises(RuntimeError, match="invalid shape"):
+        ops.pack(torch.zeros(M, 0, dtype=torch.uint8), torch.ones(M, 1), "int2")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scales(bad):
+    scales = torch.ones(M, 2)
+    scales[3, 1] = bad
+    with pytest.raises(RuntimeError, match="scale is NaN or infinite"):
+        ops.pack(torch.zeros(M, K, dtype=torch.uint8), scales, "ternary", 32)
+    w = torch.randn(M, K)
+    w[0, 0] = bad
+    lin = torch.nn.Linear(K, M)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        Linear2Bit.from_linear(lin)
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+def test_module_wrong_in_features():
+    layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    with pytest.raises(ValueError, match="Linear2Bit expects 64 input features, got input of shape"):
+        layer(torch.randn(2, 60))
+    layer.force_reference = True
+    with pytest.raises(ValueError, match="expects 64 input features"):
+        layer(torch.randn(2, 60))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_module_integer_input_rejected(dtype):
+    """nn.Linear refuses integer input; a quantised layer must not silently
+    cast it to float and truncate the output back to integers."""
+    layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    with pytest.raises((TypeError, RuntimeError), match="(?i)dtype|float"):
+        layer(torch.ones(2, K, dtype=dtype))
+
+
+def test_load_state_dict_of_another_format():
+    src = LinearTernary.from_linear(torch.nn.Linear(K, M))
+    dst = Linear2Bit(K, M, True, format="int2")
+    before = dst.packed.clone()
+    with pytest.raises(RuntimeError, match="packed weight is .*'format': 'ternary'.* but the layer is .*'int2'"):
+        dst.load_state_dict(src.state_dict())
+    assert torch.equal(dst.packed, before)
+    with pytest.raises(RuntimeError, match="no packed weights"):
+        dst.dequantize()
+
+
+def test_load_state_dict_of_garbage():
+    dst = Linear2Bit(K, M, True)
+    sd = Linear2Bit.from_linear(torch.nn.Linear(K, M)).state_dict()
+    sd["packed"] = torch.randint(0, 256, (sd["packed"].numel(),), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+        dst.load_state_dict(sd)
+    sd["packed"] = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="packed weight must be the 1-D uint8 tensor"):
+        dst.load_state_dict(sd)
+
+
+def test_runtime_controls():
+    with pytest.raises(ValueError, match="unknown ISA 'sse'"):
+        runtime.set_isa("sse")
+    with pytest.raises(ValueError, match="unknown ISA"):
+        with runtime.use_isa("neon"):
+            pass
+    with pytest.raises(ValueError, match="invalid slowdown"):
+        runtime.set_thread_slowdown(-1, 2.0)
+    with pytest.raises(ValueError, match="invalid slowdown"):
+        runtime.set_thread_slowdown(64, 2.0)
+    with pytest.raises(ValueError, match="invalid slowdown"):
+        runtime.set_thread_slowdown(0, 0.5)
+    with pytest.raises(ValueError, match="no scheduler table for bits=3"):
+        runtime.scheduler_stats(3)
+
+
+def test_load_quantized_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory written by ulbtorch.save_quantized"):
+        ulbtorch.load_quantized(torch.nn.Sequential(torch.nn.Linear(K, M)), str(tmp_path))
+    with pytest.raises(ValueError, match="no ulbtorch low-bit layers"):
+        ulbtorch.save_quantized(torch.nn.Sequential(torch.nn.Linear(K, M)), str(tmp_path))
+    model = ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(K, M)), bits=2)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    with pytest.raises(ValueError, match=r"is 32->8 in the model but 64->8 in the checkpoint"):
+        ulbtorch.load_quantized(torch.nn.Sequential(torch.nn.Linear(32, M)), str(tmp_path))
+
+
+FUZZ = textwrap.dedent("""
+    import torch, ulbtorch
+    from ulbtorch import ops
+    g = torch.Generator().manual_seed(0)
+    for fmt, gs in (("int2", 0), ("ternary", 32), ("binary", 64)):
+        f = ulbtorch.get_format(fmt)
+        codes = torch.randint(0, f.max_code + 1, (40, 200), generator=g, dtype=torch.uint8)
+        blob = ops.pack(codes, torch.rand(40, -(-200 // gs) if gs else 1) + 0.1, fmt, gs)
+        x = torch.randn(5, 200, generator=g)
+        accepted = 0
+        for i in range(64):
+            for v in (0, 1, 0x7F, 0x80, 0xFF, int(blob[i]) ^ 1, int(blob[i]) ^ 0x10):
+                bad = blob.clone()
+                bad[i] = v
+                try:
+                    info = ops.packed_info(bad)
+                    y = torch.ops.ulb.linear(torch.randn(5, info["in_features"]), bad, None,
+                                             info["out_features"])
+                    assert y.shape == (5, info["out_features"])
+                    accepted += 1
+                except RuntimeError as e:
+                    assert "ulb." in str(e), e
+        # Any bytes in the code area are some codes: never an error or a crash.
+        bad = blob.clone()
+        scales_offset = int(blob[56:64].view(torch.int64))
+        bad[64:scales_offset] = torch.randint(0, 256, (scales_offset - 64,), generator=g, dtype=torch.uint8)
+        torch.ops.ulb.linear(x, bad, None, 40)
+        torch.ops.ulb.int_dots(bad, *torch.ops.ulb.quantize_act(x, bad)[::2])
+        assert accepted > 0
+    print("FUZZ-OK")
+""")
+
+
+def test_header_fuzz_never_crashes():
+    """Every single-byte change of a header is rejected or consistent; run in a
+    child process so that a crash is reported as a failure, not a dead run."""
+    r = subprocess.run([sys.executable, "-c", FUZZ], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "FUZZ-OK" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])

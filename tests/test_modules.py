@@ -1,0 +1,224 @@
+"""Linear1Bit / LinearTernary / Linear2Bit as nn.Modules: numerics against the
+pure-PyTorch reference, serialisation, dtypes and shapes."""
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ulbtorch import ops
+from ulbtorch.formats import get_format, n_groups
+from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary, LowBitLinear
+from ulbtorch.quantizers import quantize_weight
+
+CLASS_FORMATS = [(Linear2Bit, "int2_sym"), (Linear2Bit, "int2"), (LinearTernary, "ternary"),
+                 (Linear1Bit, "binary")]
+CF_IDS = [f for _, f in CLASS_FORMATS]
+SCALINGS = [("channel", 0), ("group", 32), ("group", 64), ("tensor", 0)]
+SC_IDS = [f"{g}{gs or ''}" for g, gs in SCALINGS]
+METHODS = ["absmax", "absmean", "mse"]
+
+# Relative output error ||y - y_float|| / ||y_float|| for Gaussian weights,
+# int8 activations included (measured in brackets). Sign quantisation loses
+# sqrt(1 - 2/pi) = 0.6 at best; absmax for binary (scale = max|w|) has no
+# useful bound on the error, only on the direction (cosine below).
+QUANT_ERR = {
+    "int2_sym": {"absmax": 0.9, "absmean": 0.6, "mse": 0.45},  # [0.79, 0.47, 0.35]
+    "int2": {"absmax": 0.9, "absmean": 0.6, "mse": 0.5},       # [~0.4 for all]
+    "ternary": {"absmax": 1.0, "absmean": 0.6, "mse": 0.5},    # [0.92, 0.52, 0.44]
+    "binary": {"absmax": None, "absmean": 0.7, "mse": 0.75},   # [2-3, 0.61, 0.64]
+}
+# cos(y, y_float): absmax with Gaussian tails rounds most ternary weights to
+# 0 (measured 0.52 per tensor); garbage or a sign flip gives <= 0.
+MIN_COSINE = {"int2_sym": 0.85, "int2": 0.85, "ternary": 0.8, "binary": 0.7}
+MIN_COSINE_ABSMAX = 0.45
+K_IN, M_OUT = 100, 37  # K deliberately not a multiple of 16
+
+
+def _close(y, ref, rel=1e-4):
+    """|y - ref| <= rel * max|ref|, elementwise."""
+    scale = ref.abs().max().clamp(min=1e-12)
+    err = (y.float() - ref.float()).abs().max()
+    assert err <= rel * scale, f"max error {err.item():.3g} > {rel:g} x {scale.item():.3g}"
+
+
+def _rel_err(y, ref):
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def _float_linear(gen, K=K_IN, M=M_OUT, bias=True):
+    lin = torch.nn.Linear(K, M, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(M, K, generator=gen) / K ** 0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(M, generator=gen) * 0.1)
+    return lin
+
+
+def _layer(gen, cls=Linear2Bit, fmt="int2_sym", gs=32, bias=True, K=K_IN, M=M_OUT):
+    lin = _float_linear(gen, K, M, bias)
+    return lin, cls.from_linear(lin, format=fmt, group_size=gs)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("granularity,gs", SCALINGS, ids=SC_IDS)
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_from_linear_matches_reference(gen, cls, fmt, granularity, gs, method, bias):
+    lin = _float_linear(gen, bias=bias)
+    layer = cls.from_linear(lin, format=fmt, group_size=gs, granularity=granularity, method=method)
+    assert isinstance(layer, cls) and layer.format == fmt
+    assert layer.group_size == (gs if granularity == "group" else 0)
+    assert (layer.bias is None) == (not bias)
+    x = torch.randn(2, 5, K_IN, generator=gen)
+    y = layer(x)
+    assert y.shape == (2, 5, M_OUT) and y.dtype == torch.float32
+    w = layer.dequantize()
+    _close(y, ops.reference_linear(x, w, layer.bias))
+    layer.force_reference = True
+    _close(layer(x), y)
+    # Quantisation error against the float layer stays bounded.
+    y_float = F.linear(x, lin.weight, lin.bias).detach()
+    bound = QUANT_ERR[fmt][method]
+    if bound is not None:
+        assert _rel_err(y, y_float) < bound
+    min_cos = MIN_COSINE_ABSMAX if method == "absmax" else MIN_COSINE[fmt]
+    assert F.cosine_similarity(y.flatten(), y_float.flatten(), dim=0) > min_cos
+    # The scales have the granularity asked for.
+    _, scales = layer.unpack()
+    G = n_groups(layer.group_size, K_IN)
+    assert scales.shape == (M_OUT, G)
+    if granularity == "tensor":
+        assert (scales == scales[0, 0]).all()
+
+
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_mse_scale_never_worse_than_absmax(gen, cls, fmt):
+    """The MSE search includes the absmax scale, so its weight error is <=."""
+    w = torch.randn(M_OUT, K_IN, generator=gen)
+    err = {}
+    for method in ("absmax", "mse"):
+        codes, scales = quantize_weight(w, fmt, 32, "group", method)
+        err[method] = (ops.dequantize(codes, scales, fmt, 32) - w).pow(2).sum().item()
+    assert err["mse"] <= err["absmax"] * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("gs", [0, 32])
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_from_codes_and_dequantize(gen, cls, fmt, gs):
+    f = get_format(fmt)
+    codes = torch.randint(0, f.max_code + 1, (M_OUT, K_IN), generator=gen, dtype=torch.uint8)
+    G = n_groups(gs, K_IN)
+    scales = torch.rand(M_OUT, G, generator=gen) + 0.1
+    bias = torch.randn(M_OUT, generator=gen)
+    layer = cls.from_codes(codes, scales, format=fmt, group_size=gs, bias=bias)
+    # Independent dequantisation: level(code) * scale of the column's group.
+    levels = torch.tensor([f.level_a * q + f.level_b for q in range(f.max_code + 1)], dtype=torch.float32)
+    group_of_col = torch.arange(K_IN) // (gs or K_IN)
+    want = levels[codes.long()] * scales[:, group_of_col]
+    assert torch.equal(layer.dequantize(), want)
+    c2, s2 = ops.unpack(layer.packed)
+    assert torch.equal(c2, codes) and torch.equal(s2, scales)
+    assert torch.equal(layer.dequantize(), ops.dequantize(c2, s2, fmt, gs))
+    assert torch.equal(layer.bias, bias)
+    x = torch.randn(4, K_IN, generator=gen)
+    _close(layer(x), ops.reference_linear(x, want, bias))
+
+
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_extra_repr(gen, cls, fmt):
+    _, layer = _layer(gen, cls, fmt, gs=64)
+    r = repr(layer)
+    assert f"format={fmt}" in r and "group_size=64" in r
+    assert f"in_features={K_IN}" in r and f"out_features={M_OUT}" in r
+    _, layer = _layer(gen, cls, fmt, gs=0)
+    r = repr(layer)
+    assert f"format={fmt}" in r and "group_size=64" not in r and "channel" in r
+
+
+@pytest.mark.parametrize("granularity,gs", SCALINGS, ids=SC_IDS)
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_state_dict_safetensors_round_trip(gen, tmp_path, cls, fmt, granularity, gs):
+    lin = _float_linear(gen)
+    layer = cls.from_linear(lin, format=fmt, group_size=gs, granularity=granularity)
+    path = str(tmp_path / "layer.safetensors")
+    save_file(layer.state_dict(), path)
+    fresh = cls(K_IN, M_OUT, True, format=fmt, group_size=layer.group_size)
+    with pytest.raises(RuntimeError, match="no packed weights"):
+        fresh.dequantize()
+    fresh.load_state_dict(load_file(path))
+    assert torch.equal(fresh.packed, layer.packed)
+    x = torch.randn(6, K_IN, generator=gen)
+    assert torch.equal(fresh(x), layer(x))
+    assert torch.equal(fresh.dequantize(), layer.dequantize())
+
+
+def test_load_state_dict_rejects_other_format_or_shape(gen):
+    _, layer = _layer(gen, Linear2Bit, "int2_sym", gs=32)
+    sd = layer.state_dict()
+    for other in (Linear2Bit(K_IN, M_OUT, True, format="int2", group_size=32),  # format
+                  Linear2Bit(K_IN, M_OUT, True, format="int2_sym", group_size=64),  # group size
+                  Linear2Bit(K_IN + 16, M_OUT, True, format="int2_sym", group_size=32)):  # shape
+        before = other.packed.clone()
+        with pytest.raises(RuntimeError, match="packed weight is"):
+            other.load_state_dict(sd)
+        assert torch.equal(other.packed, before)
+    # A different out_features fails on the blob (or on the bias shape).
+    with pytest.raises(RuntimeError, match="packed|size mismatch"):
+        Linear2Bit(K_IN, M_OUT + 1, True, format="int2_sym", group_size=32).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_empty_batch(gen, cls, fmt):
+    _, layer = _layer(gen, cls, fmt)
+    for shape in ((0, K_IN), (3, 0, K_IN)):
+        x = torch.randn(shape)
+        y = layer(x)
+        assert y.shape == (*shape[:-1], M_OUT) and y.dtype == torch.float32
+        layer.force_reference = True
+        assert layer(x).shape == y.shape
+        layer.force_reference = False
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_half_precision_inputs(gen, cls, fmt, dtype):
+    _, layer = _layer(gen, cls, fmt)
+    x = torch.randn(7, K_IN, generator=gen).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (7, M_OUT)
+    ref = ops.reference_linear(x, layer.dequantize(), layer.bias)
+    assert ref.dtype == dtype
+    _close(y, ref, rel=1e-2)  # one rounding to a 8/11-bit mantissa apart
+    layer.force_reference = True
+    assert layer(x).dtype == dtype
+    _close(layer(x), y, rel=1e-2)
+
+
+def test_bf16_module(gen):
+    """model.to(bfloat16): the bias turns bf16, the packed bytes must not change."""
+    _, layer = _layer(gen, LinearTernary, "ternary")
+    packed = layer.packed.clone()
+    x = torch.randn(3, K_IN, generator=gen)
+    y32 = layer(x)
+    layer.to(torch.bfloat16)
+    assert layer.packed.dtype == torch.uint8 and torch.equal(layer.packed, packed)
+    assert layer.bias.dtype == torch.bfloat16
+    y = layer(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    _close(y, y32, rel=2e-2)
+
+
+def test_module_without_weights_raises_clearly():
+    layer = Linear1Bit(64, 8, False)
+    with pytest.raises(RuntimeError, match="no packed weights"):
+        layer.dequantize()
+    layer.force_reference = True
+    with pytest.raises(RuntimeError, match="no packed weights"):
+        layer(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("cls", [Linear2Bit, LinearTernary, Linear1Bit])
+def test_class_default_format(gen, cls):
+    layer = cls.from_linear(_float_linear(gen))
+    assert layer.format == cls.FORMATS[0] and isinstance(layer, LowBitLinear)
+    assert layer.granularity == "channel" and layer.group_size == 0

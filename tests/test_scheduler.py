@@ -1,0 +1,96 @@
+"""The dynamic work split: a thread made slower gets fewer panels; the
+static split keeps equal shares. Every knob is restored afterwards."""
+import os
+
+import pytest
+import torch
+
+from ulbtorch import ops, runtime
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
+
+M = K = 4096
+CALLS = 20
+
+
+@pytest.fixture(scope="module")
+def blob():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 4, (M, K), generator=g, dtype=torch.uint8)
+    return ops.pack(codes, torch.rand(M, 1, generator=g) + 0.1, "int2_sym")
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    runtime.scheduler_reset()
+    try:
+        yield
+    finally:
+        runtime.set_thread_slowdown(1, 1.0)
+        runtime.scheduler_static(False)
+        runtime.scheduler_reset()
+        torch.set_num_threads(threads)
+
+
+def _run(blob, calls=CALLS):
+    """Runs the calls; returns the scheduler table after each one."""
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
+    y0 = torch.ops.ulb.linear(x, blob, None, M)
+    history = [runtime.scheduler_stats(2)]
+    for _ in range(calls - 1):
+        assert torch.equal(torch.ops.ulb.linear(x, blob, None, M), y0)  # the split never changes results
+        history.append(runtime.scheduler_stats(2))
+    return history
+
+
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def test_slow_thread_gets_less_work(blob, two_threads):
+    runtime.set_thread_slowdown(1, 3.0)
+    history = _run(blob)
+    st = history[-1]
+    assert st["nthreads"] == 2 and st["calls"] == CALLS
+    assert history[0]["ratio"] != [0.5, 0.5]  # adapts from the first call on
+    r0, r1 = st["ratio"]
+    assert abs(r0 + r1 - 1.0) < 1e-9
+    # A 3x slower thread 1 should settle near a 0.75 / 0.25 split (measured
+    # 0.24-0.25); the median of the last 5 calls shrugs off one preemption.
+    assert _median([h["ratio"][1] for h in history[-5:]]) < 0.35, st
+    assert r0 > r1, st
+    assert st["last_panels"][0] > st["last_panels"][1] and sum(st["last_panels"]) == M // 64
+    # Other kernel families are untouched.
+    other = runtime.scheduler_stats(1)
+    assert other["calls"] == 0
+
+
+def test_recovers_when_slowdown_removed(blob, two_threads):
+    runtime.set_thread_slowdown(1, 3.0)
+    history = _run(blob)
+    assert _median([h["ratio"][1] for h in history[-5:]]) < 0.35
+    runtime.set_thread_slowdown(1, 1.0)
+    history = _run(blob, 30)
+    assert 0.35 < _median([h["ratio"][1] for h in history[-5:]]) < 0.65
+
+
+def test_static_split_keeps_equal_shares(blob, two_threads):
+    runtime.scheduler_static(True)
+    runtime.set_thread_slowdown(1, 3.0)
+    history = _run(blob)
+    assert history[-1]["calls"] == CALLS
+    for st in history:
+        assert st["ratio"] == [0.5, 0.5]
+        assert st["last_panels"] == [M // 128, M // 128]
+    # Thread 1 really was slowed down: same work, about 3x the time.
+    assert _median([h["last_us"][1] / h["last_us"][0] for h in history]) > 1.8
+
+
+def test_reset_clears_table(blob, two_threads):
+    _run(blob, 3)
+    assert runtime.scheduler_stats(2)["calls"] == 3
+    runtime.scheduler_reset()
+    st = runtime.scheduler_stats(2)
+    assert st["calls"] == 0 and st["nthreads"] == 0
