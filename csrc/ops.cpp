@@ -119,9 +119,20 @@ Tensor packed_info(Tensor packed) {
   return out;
 }
 
-// Leading dims flattened; a view when strides allow, a copy otherwise.
-Tensor as_2d(const Tensor &x, int64_t K) {
-  return torch::stable::reshape(x, {x.numel() / (K > 0 ? K : 1), K});
+// Rows of x as (N, row stride, element stride), flattening leading dims.
+// Contiguous and 2-D inputs need no new tensor; other layouts are reshaped
+// (a view when strides allow, else a copy).
+struct Rows {
+  Tensor t;
+  int64_t N, ld, inc;
+};
+
+Rows as_rows(const Tensor &x, int64_t K) {
+  const int64_t N = K > 0 ? x.numel() / K : 0;
+  if (x.dim() == 2) return {x, N, x.stride(0), x.stride(1)};
+  if (x.is_contiguous()) return {x, N, K, 1};
+  Tensor r = torch::stable::reshape(x, {N, K});
+  return {r, N, r.stride(0), r.stride(1)};
 }
 
 Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
@@ -138,7 +149,7 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
   const void *bptr = nullptr;
   Tensor b;
   if (bias.has_value()) {
-    b = torch::stable::contiguous(*bias);
+    b = bias->is_contiguous() ? *bias : torch::stable::contiguous(*bias);
     check_cpu(b, "linear", "bias");
     bdt = act_dtype(b, "linear", "bias");
     STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == h.M, "ulb.linear: bias must have shape [", h.M, "]");
@@ -147,11 +158,10 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = h.M;
   Tensor y = new_tensor(shape, x.scalar_type());
-  const Tensor x2 = as_2d(x, K);
-  const int64_t N = x2.size(0);
-  if (N == 0) return y;
-  check_ok(ulb_linear(blob_ptr(packed), packed.numel(), N, x2.const_data_ptr(), xdt, x2.stride(0),
-                      x2.stride(1), bptr, bdt, y.mutable_data_ptr(), xdt, h.M,
+  const Rows rows = as_rows(x, K);
+  if (rows.N == 0) return y;
+  check_ok(ulb_linear(blob_ptr(packed), packed.numel(), rows.N, rows.t.const_data_ptr(), xdt, rows.ld,
+                      rows.inc, bptr, bdt, y.mutable_data_ptr(), xdt, h.M,
                       static_cast<int>(torch::stable::get_num_threads())),
            "linear");
   return y;

@@ -16,28 +16,26 @@ void *ulb_aligned_alloc(size_t bytes) {
 void ulb_aligned_free(void *p) { free(p); }
 
 typedef struct {
+    void *scratch; /* one allocation holding the three arrays below */
     int8_t *xq;
     float *xscale;
     int32_t *xsum;
     ulb_acts acts;
 } quantized_acts;
 
-static void acts_free(quantized_acts *q) {
-    ulb_aligned_free(q->xq);
-    ulb_aligned_free(q->xscale);
-    ulb_aligned_free(q->xsum);
-}
+static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
 static ulb_status acts_quantize(const ulb_weight *w, int64_t N, const void *x, ulb_dtype dt,
                                 int64_t ldx, int64_t incx, quantized_acts *q) {
+    const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
+    const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
+    const size_t sum_bytes = (size_t)(N * w->n_groups) * sizeof(int32_t);
     memset(q, 0, sizeof *q);
-    q->xq = ulb_aligned_alloc((size_t)(N * w->K_pad));
-    q->xscale = ulb_aligned_alloc((size_t)N * sizeof(float));
-    q->xsum = ulb_aligned_alloc((size_t)(N * w->n_groups) * sizeof(int32_t));
-    if (!q->xq || !q->xscale || !q->xsum) {
-        acts_free(q);
-        return ULB_ERR_NOMEM;
-    }
+    q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes);
+    if (!q->scratch) return ULB_ERR_NOMEM;
+    q->xq = q->scratch;
+    q->xscale = (float *)((char *)q->scratch + xq_bytes);
+    q->xsum = (int32_t *)((char *)q->scratch + xq_bytes + xs_bytes);
     ulb_status st = ulb_quantize_act(N, w->K, w->K_pad, w->gsteps * ulb_tile_k(w->bits), x, dt, ldx, incx,
                                      q->xq, q->xscale, q->xsum);
     if (st != ULB_OK) acts_free(q);

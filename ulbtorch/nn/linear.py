@@ -15,6 +15,10 @@ from ..formats import get_format, n_groups, normalize_group_size
 from ..quantizers import quantize_weight
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_ulb_linear = torch.ops.ulb.linear.default
+
+
 class LowBitLinear(nn.Module):
     """Common base: one packed uint8 buffer holds codes, scales and a header."""
 
@@ -91,20 +95,22 @@ class LowBitLinear(nn.Module):
                                "from_codes or load a state_dict")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Decode calls last microseconds: the common case is one op call, with
+        # the parameter dicts read directly (nn.Module.__getattr__ is slow).
+        bias = self._parameters["bias"]
+        if (x.dtype in _KERNEL_DTYPES and x.is_cpu and x.shape[-1] == self.in_features
+                and not self.force_reference and (bias is None or bias.dtype in _KERNEL_DTYPES)):
+            return _ulb_linear(x, self._buffers["packed"], bias, self.out_features)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, "
                              f"got input of shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} takes floating-point input, got {x.dtype}")
         if x.device.type == "cpu" and not self.force_reference:
-            dtype = x.dtype
-            xin = x if dtype in (torch.float32, torch.bfloat16) else x.float()
-            bias = self.bias
-            if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
-                bias = bias.float()
-            y = torch.ops.ulb.linear(xin, self.packed, bias, self.out_features)
-            return y if y.dtype == dtype else y.to(dtype)
+            bias = None if self.bias is None else self.bias.float()
+            return torch.ops.ulb.linear(x.float(), self.packed, bias, self.out_features).to(x.dtype)
         return self._reference_forward(x)
+
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self._dequant_cache.get(x.device)
