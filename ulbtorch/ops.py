@@ -121,3 +121,38 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.nn.functional.linear(fake_quantize_activations(x), weight.float(),
                                    None if bias is None else bias.float())
     return y.to(x.dtype)
+
+
+# ---- fake impls of the utility ops (torch.compile / opcheck) -------------------
+# Shapes that live in the blob's header are data-dependent sizes.
+
+@torch.library.register_fake("ulb::pack")
+def _pack_fake(codes, scales, format, group_size):
+    return codes.new_empty((packed_nbytes(FORMATS_BY_ID[format], codes.shape[0], codes.shape[1], group_size),),
+                           dtype=torch.uint8)
+
+
+@torch.library.register_fake("ulb::unpack")
+def _unpack_fake(packed):
+    ctx = torch.library.get_ctx()
+    M, K, G = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return packed.new_empty((M, K), dtype=torch.uint8), packed.new_empty((M, G), dtype=torch.float32)
+
+
+@torch.library.register_fake("ulb::packed_info")
+def _packed_info_fake(packed):
+    return packed.new_empty((7,), dtype=torch.int64)
+
+
+@torch.library.register_fake("ulb::quantize_act")
+def _quantize_act_fake(x, packed):
+    ctx = torch.library.get_ctx()
+    N, K_pad, G = x.shape[0], ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return (x.new_empty((N, K_pad), dtype=torch.int8), x.new_empty((N,), dtype=torch.float32),
+            x.new_empty((N, G), dtype=torch.int32))
+
+
+@torch.library.register_fake("ulb::int_dots")
+def _int_dots_fake(packed, xq, xsum):
+    M = torch.library.get_ctx().new_dynamic_size()
+    return xq.new_empty((xq.shape[0], M, xsum.shape[1]), dtype=torch.int32)

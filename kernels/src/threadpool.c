@@ -64,8 +64,12 @@ static struct {
     void *ctx;
     int64_t begin[ULB_MAX_THREADS], end[ULB_MAX_THREADS];
     double us[ULB_MAX_THREADS];
+    double published_us;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_us = -1.0};
 
+/* A thread's time runs from the job's publication, not from when it got
+ * going: a worker the OS scheduled late is as slow as one that computes
+ * slowly, and the split must see both. */
 static void run_share(int tid) {
     const double t0 = now_us();
     if (pool.end[tid] > pool.begin[tid]) pool.fn(pool.ctx, pool.begin[tid], pool.end[tid]);
@@ -74,7 +78,7 @@ static void run_share(int tid) {
         const double until = t0 + (now_us() - t0) * slow;
         while (now_us() < until) cpu_relax();
     }
-    pool.us[tid] = now_us() - t0;
+    pool.us[tid] = now_us() - pool.published_us;
 }
 
 static void *worker_main(void *arg) {
@@ -150,6 +154,7 @@ ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn
     pool.ctx = ctx;
     ulb_sched_split(family, nthreads, nwork, pool.begin, pool.end);
     atomic_store(&pool.pending, nthreads - 1);
+    pool.published_us = now_us();
     atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
     if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
     run_share(0);
