@@ -164,6 +164,7 @@ def main(argv=None):
             ("format", "format", None), ("rot", "rot", None),
             ("us", "us ours", ".1f"), ("us_bf16", "us bf16", ".1f"),
             ("gbps", "GB/s ours", ".1f"), ("pct_bw", "% read BW", ".0f"),
+            ("gbps_stream", "GB/s stream", ".1f"), ("pct_stream", "% stream", ".0f"),
             ("gbps_bf16", "GB/s bf16", ".1f"), ("speedup", "x vs bf16", ".2f")]
     if args.hot:
         cols += [("us_hot", "us hot", ".1f"), ("us_bf16_hot", "us bf16 hot", ".1f"),
@@ -207,6 +208,12 @@ def main(argv=None):
                             torch.set_num_threads(nt)
                             t = common.time_rotating(rot.items, call, reps=args.reps)
                             check_pool_threads(fmt, nt)
+                            # The same blobs, read with the same pool, split and
+                            # thread count, right after: the roofline for this
+                            # access pattern at this moment.
+                            blobs = [m.packed for m in rot.items] if args.module else rot.items
+                            t_stream = common.time_rotating(
+                                blobs, lambda b: ulbtorch.runtime.read_probe(b, nt), reps=args.reps)
                             us = 1e6 * t
                             gbps = rot.blob_bytes / t / 1e9
                             row = dict(model=model, shape=shape, M=M, K=K, threads=nt, format=fmt,
@@ -215,6 +222,8 @@ def main(argv=None):
                                        rot_mib=rot.total_bytes / MiB, bf16_rot_mib=bf16_rot_mib,
                                        us=us, us_bf16=bf16_us[nt], gbps=gbps,
                                        pct_bw=100 * gbps / bw[nt]["gbps"], read_bw=bw[nt]["gbps"],
+                                       gbps_stream=rot.blob_bytes / t_stream / 1e9,
+                                       pct_stream=100 * t_stream / t,
                                        gbps_bf16=M * K * 2 / (bf16_us[nt] * 1e-6) / 1e9,
                                        speedup=bf16_us[nt] / us, mode="module" if args.module else "op")
                             if args.hot:
@@ -267,7 +276,8 @@ def main(argv=None):
                 if not rs:
                     continue
                 line = (f"GEMV cold {fmt:8s} {nt} thr: geomean {common.geomean(r['speedup'] for r in rs):.2f}x vs bf16, "
-                        f"median {statistics.median(r['pct_bw'] for r in rs):.0f}% of read BW "
+                        f"median {statistics.median(r['pct_bw'] for r in rs):.0f}% of read BW, "
+                        f"{statistics.median(r['pct_stream'] for r in rs):.0f}% of a stream read of the same blobs "
                         f"(bf16 median {statistics.median(100 * r['gbps_bf16'] / r['read_bw'] for r in rs):.0f}%), "
                         f"{len(rs)} shapes")
                 if args.hot:

@@ -223,6 +223,15 @@ STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
   m.impl("int_dots", TORCH_BOX(&int_dots));
 }
 
+// The C runtime API that Python reaches with ctypes (ulbtorch/runtime.py):
+// referenced here so the linker keeps it from the static kernel library.
+extern "C" const void *const ulb_runtime_api[] = {
+    reinterpret_cast<const void *>(&ulb_packed_nbytes),   reinterpret_cast<const void *>(&ulb_isa_active),
+    reinterpret_cast<const void *>(&ulb_isa_supported),   reinterpret_cast<const void *>(&ulb_isa_set),
+    reinterpret_cast<const void *>(&ulb_sched_stats_get), reinterpret_cast<const void *>(&ulb_sched_reset),
+    reinterpret_cast<const void *>(&ulb_sched_set_static), reinterpret_cast<const void *>(&ulb_sched_set_slowdown),
+    reinterpret_cast<const void *>(&ulb_read_probe)};
+
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

@@ -33,6 +33,23 @@ _lib.ulb_sched_set_static.argtypes = [ctypes.c_int]
 _lib.ulb_sched_set_slowdown.argtypes = [ctypes.c_int, ctypes.c_double]
 
 
+_lib.ulb_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+
+
+def read_probe(buffer, threads: int | None = None) -> int:
+    """Stream-read a contiguous CPU tensor through the kernels' thread pool
+    and work split (the GEMV's memory roofline); returns a checksum."""
+    import torch
+
+    if not (isinstance(buffer, torch.Tensor) and buffer.is_cpu and buffer.is_contiguous()):
+        raise ValueError("read_probe takes a contiguous CPU tensor")
+    out = ctypes.c_uint64()
+    n = buffer.numel() * buffer.element_size()
+    if _lib.ulb_read_probe(buffer.data_ptr(), n, threads or torch.get_num_threads(), ctypes.byref(out)) != 0:
+        raise ValueError("read_probe: buffer must be 8-byte aligned")
+    return out.value
+
+
 def get_isa() -> str:
     return ISAS[_lib.ulb_isa_active()]
 

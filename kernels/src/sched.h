@@ -6,7 +6,8 @@
 
 #include "internal.h"
 
-#define ULB_SCHED_FAMILIES 6 /* bits {1,2} x ISA {scalar, avx2, avx512} */
+#define ULB_SCHED_PROBE 6    /* ulb_read_probe */
+#define ULB_SCHED_FAMILIES 7 /* bits {1,2} x ISA {scalar, avx2, avx512}, probe */
 
 void ulb_sched_split(int family, int nthreads, int64_t nwork, int64_t *begin, int64_t *end);
 void ulb_sched_record(int family, int nthreads, const int64_t *begin, const int64_t *end,

@@ -121,6 +121,11 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N,
 ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
                         const int8_t *xq, const int32_t *xsum, int32_t *dots);
 
+/* Reads nbytes (8-byte aligned) with nthreads through the GEMV's thread pool
+ * and work split: the memory roofline for benchmarks, measured in the same
+ * run as the kernels. */
+ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum);
+
 /* ---- ISA ----------------------------------------------------------------- */
 
 typedef enum { ULB_ISA_SCALAR = 0, ULB_ISA_AVX2 = 1, ULB_ISA_AVX512 = 2 } ulb_isa;
