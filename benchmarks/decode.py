@@ -164,6 +164,9 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="share of decode time in linear layers (bf16) / ulb ops (quantized) and the Amdahl bound")
     p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
+    p.add_argument("--thread-pool", choices=["torch", "ulb"], default="torch",
+                   help="where ulbtorch's parallel regions run: PyTorch's intra-op threads (default) "
+                        "or ulbtorch's own pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke test: 1 layer, vocab 32000, 8 tokens, 1 rep")
     p.add_argument("--json", help="write results as JSON here")
@@ -195,6 +198,7 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     common.select_isa(args.isa)
+    ulbtorch.runtime.set_thread_pool(args.thread_pool)
     env = common.print_environment()
     print(f"# config {args.config}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
     print(f"# threads {torch.get_num_threads()}, prompt {args.prompt_len} random ids, greedy "

@@ -223,6 +223,24 @@ STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
   m.impl("int_dots", TORCH_BOX(&int_dots));
 }
 
+namespace {
+
+// Run ulbtorch's parallel regions on PyTorch's own intra-op pool (one OpenMP
+// runtime per process); each task index is one share of the work split.
+void torch_runner(int n, ulb_task_fn task, void *ctx) {
+  torch::stable::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) task(ctx, static_cast<int>(i));
+  });
+}
+
+}  // namespace
+
+extern "C" void ulbtorch_use_torch_threads(int on) { ulb_set_parallel_runner(on ? &torch_runner : nullptr); }
+
+namespace {
+const int kTorchThreadsByDefault = (ulbtorch_use_torch_threads(1), 0);
+}  // namespace
+
 // The C runtime API that Python reaches with ctypes (ulbtorch/runtime.py):
 // referenced here so the linker keeps it from the static kernel library.
 extern "C" const void *const ulb_runtime_api[] = {
@@ -230,7 +248,7 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_isa_supported),   reinterpret_cast<const void *>(&ulb_isa_set),
     reinterpret_cast<const void *>(&ulb_sched_stats_get), reinterpret_cast<const void *>(&ulb_sched_reset),
     reinterpret_cast<const void *>(&ulb_sched_set_static), reinterpret_cast<const void *>(&ulb_sched_set_slowdown),
-    reinterpret_cast<const void *>(&ulb_read_probe)};
+    reinterpret_cast<const void *>(&ulb_read_probe), reinterpret_cast<const void *>(&ulbtorch_use_torch_threads)};
 
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {

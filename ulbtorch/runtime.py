@@ -50,6 +50,15 @@ def read_probe(buffer, threads: int | None = None) -> int:
     return out.value
 
 
+def set_thread_pool(name: str) -> None:
+    """"torch" (default): run the kernels' parallel regions on PyTorch's
+    intra-op threads, so one OpenMP runtime serves the process. "ulb": the
+    kernels' own persistent pool (spin-then-sleep workers)."""
+    if name not in ("torch", "ulb"):
+        raise ValueError(f"thread pool must be 'torch' or 'ulb', got {name!r}")
+    _lib.ulbtorch_use_torch_threads(int(name == "torch"))
+
+
 def get_isa() -> str:
     return ISAS[_lib.ulb_isa_active()]
 

@@ -2,7 +2,8 @@
  * while after a job (env ULB_SPIN_US, default 200) and then sleep on a futex,
  * so back-to-back layers pay no wake-up while an idle process burns no CPU.
  * The calling thread is worker 0. One job at a time: a second caller that
- * finds the pool busy runs its job on its own thread. */
+ * finds the pool busy runs its job on its own thread. A host runner (see
+ * ulb_set_parallel_runner) replaces the workers but keeps split and timing. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -70,6 +71,10 @@ static struct {
 /* A thread's time runs from the job's publication, not from when it got
  * going: a worker the OS scheduled late is as slow as one that computes
  * slowly, and the split must see both. */
+static _Atomic(ulb_runner_fn) host_runner;
+
+void ulb_set_parallel_runner(ulb_runner_fn runner) { atomic_store(&host_runner, runner); }
+
 static void run_share(int tid) {
     const double t0 = now_us();
     if (pool.end[tid] > pool.begin[tid]) pool.fn(pool.ctx, pool.begin[tid], pool.end[tid]);
@@ -79,6 +84,11 @@ static void run_share(int tid) {
         while (now_us() < until) cpu_relax();
     }
     pool.us[tid] = now_us() - pool.published_us;
+}
+
+static void run_share_task(void *ctx, int tid) {
+    (void)ctx;
+    run_share(tid);
 }
 
 static void *worker_main(void *arg) {
@@ -148,17 +158,22 @@ ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn
         if (nwork > 0) fn(ctx, 0, nwork);
         return ULB_OK;
     }
-    nthreads = ensure_workers(nthreads);
-    pool.nthreads = nthreads;
+    const ulb_runner_fn runner = atomic_load(&host_runner);
+    if (!runner) nthreads = ensure_workers(nthreads);
     pool.fn = fn;
     pool.ctx = ctx;
     ulb_sched_split(family, nthreads, nwork, pool.begin, pool.end);
-    atomic_store(&pool.pending, nthreads - 1);
     pool.published_us = now_us();
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
-    if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
-    run_share(0);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+    if (runner) {
+        runner(nthreads, run_share_task, NULL);
+    } else {
+        pool.nthreads = nthreads;
+        atomic_store(&pool.pending, nthreads - 1);
+        atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+        if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
+        run_share(0);
+        while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+    }
     ulb_sched_record(family, nthreads, pool.begin, pool.end, pool.us);
     pthread_mutex_unlock(&pool.lock);
     return ULB_OK;

@@ -138,6 +138,16 @@ const char *ulb_isa_name(ulb_isa isa);
 
 /* ---- threads & scheduler -------------------------------------------------- */
 
+/* Parallel regions run on ulbtorch's own pool unless the host registers a
+ * runner: runner(n, task, ctx) must call task(ctx, tid) once for every tid in
+ * [0, n), on as many threads as it likes. PyTorch's wrapper registers
+ * at::parallel_for so that one OpenMP runtime serves the whole process: a
+ * second pool's threads would be time-sliced against OpenMP workers that
+ * spin after each torch op. NULL restores the built-in pool. */
+typedef void (*ulb_task_fn)(void *ctx, int tid);
+typedef void (*ulb_runner_fn)(int n, ulb_task_fn task, void *ctx);
+void ulb_set_parallel_runner(ulb_runner_fn runner);
+
 #define ULB_MAX_THREADS 64
 
 typedef struct {
