@@ -33,11 +33,6 @@ class Format:
     def codes_to_levels(self, codes: torch.Tensor) -> torch.Tensor:
         return self.level_a * codes.to(torch.int32) + self.level_b
 
-    def levels_to_codes(self, levels: torch.Tensor) -> torch.Tensor:
-        """Exact inverse of codes_to_levels; levels must lie on the grid."""
-        q = (levels.to(torch.int32) - self.level_b) // self.level_a
-        return q.to(torch.uint8)
-
 
 FORMATS = {
     f.name: f

@@ -19,7 +19,9 @@ class QuantConfig:
 
     bits: 1, "ternary" (or 1.58) or 2. format: an explicit format name
     ("int2_sym", "int2", "ternary", "binary") overriding bits.
-    group_size: 0 for one scale per output channel, else a multiple of 16.
+    group_size: 0 for one scale per output channel, else a multiple of 16
+    (2-bit, ternary) or 32 (binary); layers no wider than a group get one
+    scale per channel.
     granularity: "channel", "group" or "tensor" (default from group_size).
     method: "absmax", "absmean" or "mse" (default per format, see quantizers).
     include / exclude: fnmatch patterns on module names; exclude wins.
@@ -45,6 +47,14 @@ class QuantConfig:
                              f"got {self.group_size}")
         if self.granularity is None:
             self.granularity = "group" if self.group_size else "channel"
+
+    def layer_args(self, in_features: int) -> dict:
+        """group_size and granularity for one layer: a layer whose input is
+        no wider than a group has one scale per output channel."""
+        if self.granularity == "group" and self.group_size < in_features:
+            return dict(group_size=self.group_size, granularity="group")
+        granularity = "channel" if self.granularity == "group" else self.granularity
+        return dict(group_size=0, granularity=granularity)
 
     def selects(self, name: str) -> bool:
         match = lambda pats: any(fnmatch.fnmatchcase(name, p) for p in pats)  # noqa: E731
@@ -78,7 +88,6 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         except ImportError:
             pass
     for name, lin in targets:
-        gs = config.group_size if config.granularity == "group" else 0
-        _replace(model, name, cls.from_linear(lin, format=config.format, group_size=gs,
-                                              granularity=config.granularity, method=config.method))
+        _replace(model, name, cls.from_linear(lin, format=config.format, method=config.method,
+                                              **config.layer_args(lin.in_features)))
     return model

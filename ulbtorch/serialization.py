@@ -59,7 +59,9 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     missing, unexpected = load_model(model, os.path.join(directory, WEIGHTS), strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # saved once, as the embedding
     if missing or unexpected:
         raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")

@@ -75,6 +75,9 @@ void ulb_sched_record(int family, int n, const int64_t *begin, const int64_t *en
 
 double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
 
+/* The table's lock may have been held by a thread that fork() did not copy. */
+void ulb_sched_after_fork(void) { pthread_mutex_init(&lock, NULL); }
+
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
     if ((bits != 1 && bits != 2) || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
     pthread_mutex_lock(&lock);

@@ -51,16 +51,19 @@ static void futex_wake_all(_Atomic uint32_t *addr) {
 #endif
 }
 
+/* pool.gen = (job counter << 8) | threads taking part in that job. */
+#define JOB_THREADS_MASK 0xffu
+#define JOB_COUNTER_STEP 0x100u
+
 static struct {
     pthread_mutex_t lock; /* held by the caller for the whole job */
     int nworkers;         /* started workers, tids 1..nworkers */
     double spin_us;
-    _Atomic uint32_t gen; /* bumped to publish a job */
+    _Atomic uint32_t gen; /* published job: counter and thread count, see above */
     _Atomic int pending;  /* workers still running the job */
     _Atomic int sleepers;
     uint32_t start_gen[ULB_MAX_THREADS];
     /* the job */
-    int nthreads;
     ulb_range_fn fn;
     void *ctx;
     int64_t begin[ULB_MAX_THREADS], end[ULB_MAX_THREADS];
@@ -110,7 +113,9 @@ static void *worker_main(void *arg) {
             spin_start = now_us();
         }
         seen = g;
-        if (tid < pool.nthreads) {
+        /* Who takes part travels in the same word as the generation, so a
+         * worker that wakes late can never mistake a later job for this one. */
+        if (tid < (int)(g & JOB_THREADS_MASK)) {
             run_share(tid);
             atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
         }
@@ -121,6 +126,7 @@ static void *worker_main(void *arg) {
 static void after_fork_child(void) {
     /* Worker threads do not survive fork(); start afresh in the child. */
     pthread_mutex_init(&pool.lock, NULL);
+    ulb_sched_after_fork();
     pool.nworkers = 0;
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.pending, 0);
@@ -167,9 +173,10 @@ ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn
     if (runner) {
         runner(nthreads, run_share_task, NULL);
     } else {
-        pool.nthreads = nthreads;
         atomic_store(&pool.pending, nthreads - 1);
-        atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+        const uint32_t prev = atomic_load(&pool.gen);
+        /* seq_cst: the publication must be ordered before reading sleepers. */
+        atomic_store(&pool.gen, ((prev & ~JOB_THREADS_MASK) + JOB_COUNTER_STEP) | (uint32_t)nthreads);
         if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
         run_share(0);
         while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();

@@ -29,7 +29,7 @@ def unpack_hf_bitnet(packed: torch.Tensor, out_features: int, name: str = "weigh
         raise ValueError(f"{name}: expected a 2-D uint8 packed BitNet weight, got {packed.dtype} "
                          f"of shape {tuple(packed.shape)}")
     rows = packed.shape[0]
-    if rows * VALUES_PER_BYTE < out_features or rows != -(-out_features // VALUES_PER_BYTE):
+    if rows != -(-out_features // VALUES_PER_BYTE):
         raise ValueError(f"{name}: packed shape {tuple(packed.shape)} does not hold {out_features} "
                          f"output rows ({VALUES_PER_BYTE} per byte)")
     codes = torch.cat([(packed >> (2 * i)) & 3 for i in range(VALUES_PER_BYTE)], dim=0)[:out_features]

@@ -49,12 +49,10 @@ class UlbHfQuantizer(HfQuantizer):
             return model
         cfg = self.quantization_config.to_quant_config()
         cls = MODULE_FOR_FORMAT[cfg.format]
-        gs = cfg.group_size if cfg.granularity == "group" else 0
         for name, lin in [(n, m) for n, m in model.named_modules()
                           if type(m) is nn.Linear and cfg.selects(n)]:
             layer = cls(lin.in_features, lin.out_features, lin.bias is not None, format=cfg.format,
-                        group_size=gs, granularity=cfg.granularity, device=lin.weight.device,
-                        dtype=lin.weight.dtype)
+                        device=lin.weight.device, dtype=lin.weight.dtype, **cfg.layer_args(lin.in_features))
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
         return model

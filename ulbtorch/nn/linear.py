@@ -3,7 +3,7 @@
 On CPU the forward pass is one call of torch.ops.ulb.linear (int8 activations
 per token, packed weights streamed by the C kernels). On any other device the
 layer runs the same arithmetic in plain PyTorch from a dequantised copy of
-the weight cached per device.
+the weight, cached for the device last used.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class LowBitLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.force_reference = False  # run the pure-PyTorch path even on CPU
-        self._dequant_cache: dict[torch.device, torch.Tensor] = {}
+        self._dequant_cache: dict[tuple, torch.Tensor] = {}
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -113,11 +113,14 @@ class LowBitLinear(nn.Module):
 
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._dequant_cache.get(x.device)
+        packed = self._buffers["packed"]
+        # Valid while `packed` is the same tensor, unmodified.
+        key = (x.device, packed.data_ptr(), packed._version)
+        w = self._dequant_cache.get(key)
         if w is None:
             self._require_packed()
             w = self.dequantize().to(x.device)
-            self._dequant_cache = {x.device: w}
+            self._dequant_cache = {key: w}
         xq = ops.fake_quantize_activations(x)
         bias = None if self.bias is None else self.bias.float()
         return torch.nn.functional.linear(xq, w, bias).to(x.dtype)

@@ -8,7 +8,8 @@
  * integer dot product of levels with int8 activations per (row, group).
  *
  * A packed weight is one self-describing byte blob: a 64-byte header, the
- * codes in the panel layout of pack.c, then the scales. Every entry point
+ * codes in the tile/panel layout of src/layout.h (packed by src/format.c),
+ * then the scales. Every entry point
  * validates the header, so a blob of another format or shape is an error,
  * never garbage. Functions return ulb_status; nothing aborts. */
 #ifndef ULB_ULB_H
