@@ -81,6 +81,8 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     cls = MODULE_FOR_FORMAT[config.format]
     targets = [(n, m) for n, m in model.named_modules()
                if type(m) is nn.Linear and config.selects(n)]
+    float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin in targets)
+    packed_bytes = 0
     if progress:
         try:
             from tqdm.auto import tqdm
@@ -88,6 +90,11 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         except ImportError:
             pass
     for name, lin in targets:
-        _replace(model, name, cls.from_linear(lin, format=config.format, method=config.method,
-                                              **config.layer_args(lin.in_features)))
+        layer = cls.from_linear(lin, format=config.format, method=config.method,
+                                **config.layer_args(lin.in_features))
+        packed_bytes += layer.packed.numel()
+        _replace(model, name, layer)
+    if progress:
+        print(f"quantize_: {len(targets)} layers to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "
+              f"{packed_bytes / 2**20:.1f} MiB ({(float_bytes - packed_bytes) / 2**20:.1f} MiB saved)")
     return model
