@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from .formats import FORMATS
-from .nn import MODULE_FOR_FORMAT
+from .nn import MODULE_FOR_FORMAT, replace_module
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym"}
@@ -64,11 +64,6 @@ class QuantConfig:
         return asdict(self)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
 def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: bool = False,
               **kwargs) -> nn.Module:
     """Replace, in place, every selected nn.Linear of `model` by the low-bit
@@ -93,7 +88,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         layer = cls.from_linear(lin, format=config.format, method=config.method,
                                 **config.layer_args(lin.in_features))
         packed_bytes += layer.packed.numel()
-        _replace(model, name, layer)
+        replace_module(model, name, layer)
     if progress:
         print(f"quantize_: {len(targets)} layers to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "
               f"{packed_bytes / 2**20:.1f} MiB ({(float_bytes - packed_bytes) / 2**20:.1f} MiB saved)")

@@ -9,7 +9,7 @@ import os
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from .nn import MODULE_FOR_FORMAT, LowBitLinear
+from .nn import MODULE_FOR_FORMAT, LowBitLinear, replace_module
 
 MANIFEST = "ulbtorch.json"
 WEIGHTS = "model.safetensors"
@@ -56,8 +56,7 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
         cls = MODULE_FOR_FORMAT[spec["format"]]
         new = cls(spec["in_features"], spec["out_features"], spec["bias"], format=spec["format"],
                   group_size=spec["group_size"], granularity=spec["granularity"])
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        replace_module(model, name, new)
     missing, unexpected = load_model(model, os.path.join(directory, WEIGHTS), strict=False)
     missing, unexpected = sorted(missing), sorted(unexpected)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn import MODULE_FOR_FORMAT
+from ..nn import MODULE_FOR_FORMAT, replace_module
 
 GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
 
@@ -83,6 +83,5 @@ def convert_grid_linears(model: nn.Module, bits, *, exclude=("lm_head",)) -> nn.
         codes, scales, fmt = pack_grid_weight(lin.weight, bits, name + ".weight")
         layer = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, bias=lin.bias,
                                                   granularity="channel")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        replace_module(model, name, layer)
     return model

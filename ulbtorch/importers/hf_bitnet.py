@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from ..nn import LinearTernary
+from ..nn import LinearTernary, replace_module
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")
@@ -122,8 +122,7 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
                 bias = f.get_tensor(name + ".bias") if name + ".bias" in keys else None
                 layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1),
                                                  format="ternary", bias=bias, granularity="tensor")
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, layer)
+                replace_module(model, name, layer)
                 converted.add(name)
             for k in keys:
                 module = k.rsplit(".", 1)[0]
@@ -169,8 +168,7 @@ def convert_bitnet_model(model: nn.Module) -> nn.Module:
         out_features = codes.shape[0]
         layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(out_features, 1), format="ternary",
                                          bias=m.bias, granularity="tensor")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        replace_module(model, name, layer)
         converted += 1
     if not converted:
         raise ValueError("model has no BitLinear/AutoBitLinear layers to convert")

@@ -13,7 +13,7 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..nn import MODULE_FOR_FORMAT, LowBitLinear
+from ..nn import MODULE_FOR_FORMAT, LowBitLinear, replace_module
 from ..quantize import QuantConfig, quantize_
 
 QUANT_METHOD = "ulb"
@@ -58,8 +58,7 @@ class UlbHfQuantizer(HfQuantizer):
                           if type(m) is nn.Linear and cfg.selects(n)]:
             layer = cls(lin.in_features, lin.out_features, lin.bias is not None, format=cfg.format,
                         device=lin.weight.device, dtype=lin.weight.dtype, **cfg.layer_args(lin.in_features))
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, layer)
+            replace_module(model, name, layer)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
