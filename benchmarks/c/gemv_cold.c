@@ -1,7 +1,9 @@
 /* Cold GEMV through the C API (no Python, no torch): rotates over ~600 MiB of
- * distinct packed matrices so weights stream from DRAM, and reports GB/s of
- * packed bytes per thread count. For kernel tuning; benchmarks/gemv.py is the
- * user-facing benchmark. Usage: gemv_cold [M K format threads] */
+ * distinct packed matrices so weights stream from DRAM, and compares packed
+ * bytes per second with ulb_read_probe over the same blobs and threads,
+ * alternating the two in rounds so that drifting DRAM bandwidth hits both
+ * alike. For kernel tuning; benchmarks/gemv.py is the user-facing benchmark.
+ * Usage: gemv_cold [M K format threads rounds] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,15 +17,11 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 int main(int argc, char **argv) {
     const int64_t M = argc > 1 ? atoll(argv[1]) : 14336, K = argc > 2 ? atoll(argv[2]) : 4096;
     const int fmt = argc > 3 ? atoi(argv[3]) : ULB_FMT_INT2_SYM;
     const int threads = argc > 4 ? atoi(argv[4]) : 1;
+    const int rounds = argc > 5 ? atoi(argv[5]) : 8;
     const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
     int n = (int)((600LL << 20) / nbytes);
     if (n < 4) n = 4;
@@ -39,16 +37,20 @@ int main(int argc, char **argv) {
     }
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
-    enum { REPS = 200 };
-    double t[REPS];
-    for (int r = 0; r < REPS + n; r++) {
+    double t_gemv = 0, t_read = 0;
+    for (int r = 0; r <= rounds; r++) { /* round 0 warms up */
+        uint64_t checksum;
         const double t0 = now_s();
-        ulb_linear(blobs[r % n], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, threads);
-        if (r >= n) t[r - n] = now_s() - t0;
+        for (int i = 0; i < n; i++) ulb_read_probe(blobs[i], nbytes, threads, &checksum);
+        const double t1 = now_s();
+        for (int i = 0; i < n; i++)
+            ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, threads);
+        const double t2 = now_s();
+        if (r) t_read += t1 - t0, t_gemv += t2 - t1;
     }
-    qsort(t, REPS, sizeof t[0], cmp);
-    printf("%s M=%ld K=%ld threads=%d isa=%s: median %.1f us, %.1f GB/s (%d matrices of %.1f MiB)\n",
+    const double total = (double)rounds * n * nbytes;
+    printf("%s M=%ld K=%ld threads=%d isa=%s: %.1f us/call, %.1f GB/s; read probe %.1f GB/s; %.0f%% of read\n",
            ulb_format_get(fmt)->name, (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()),
-           t[REPS / 2] * 1e6, nbytes / t[REPS / 2] / 1e9, n, nbytes / 1048576.0);
+           t_gemv / rounds / n * 1e6, total / t_gemv / 1e9, total / t_read / 1e9, 100.0 * t_read / t_gemv);
     return 0;
 }

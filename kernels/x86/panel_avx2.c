@@ -57,8 +57,10 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256(
-                        (const __m256i *)(base + (ks * nt + t0 + t) * ULB_TILE_BYTES + 32 * h));
+                    const uint8_t *half = base + (ks * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
+                    if (ulb_prefetch_bytes(bits) && h == 0)
+                        _mm_prefetch((const char *)half + ulb_prefetch_bytes(bits), _MM_HINT_T1);
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)half);
                     __m256i p[ULB_NB_MAX];
 #pragma GCC unroll 8
                     for (int f = 0; f < fields; f++) {
