@@ -28,11 +28,14 @@ int main(int argc, char **argv) {
         int8_t *xq = ulb_aligned_alloc(ULB_NB_MAX * w.K_pad);
         int32_t xsum[ULB_NB_MAX] = {0};
         for (int64_t i = 0; i < ULB_NB_MAX * w.K_pad; i++) xq[i] = (int8_t)(rand() % 255 - 127);
-        ulb_acts a = {xq, w.K_pad, xsum};
+        uint8_t *lut1 = ulb_aligned_alloc(w.ksteps * ULB_LUT1_STEP_BYTES);
+        ulb_lut1_build_avx512(xq, w.ksteps, lut1);
         float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
         for (int isa = ULB_ISA_AVX2; isa <= ULB_ISA_AVX512; isa++) {
             if (!ulb_isa_supported(isa)) continue;
             ulb_panel_fn fn = ulb_panel_for_isa(isa);
+            /* One-token 1-bit calls take the lookup tables where ulb_linear would. */
+            const ulb_acts a = {xq, w.K_pad, xsum, fmt == ULB_FMT_BINARY && ulb_lut1_supported(isa) ? lut1 : NULL};
             for (int nb = 1; nb <= ULB_NB_MAX; nb *= 4) {
                 double best = 1e30;
                 for (int rep = 0; rep < 200; rep++) {

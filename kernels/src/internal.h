@@ -36,6 +36,7 @@ typedef struct {
     const int8_t *xq;    /* N x ldq, zero padded to K_pad */
     int64_t ldq;
     const int32_t *xsum; /* N x n_groups */
+    const uint8_t *lut1; /* N == 1 and 1-bit codes on AVX-512 VBMI: lookup tables, else NULL */
 } ulb_acts;
 
 /* The microkernel contract, identical for every ISA:
@@ -64,6 +65,14 @@ float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
 float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
 void ulb_quant_tail_ref(const void *x, ulb_dtype dt, int64_t k0, int64_t K, float inv, int8_t *q);
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
+
+/* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of
+ * ULB_LUT1_STEP_BYTES per 32 columns, built once per call. */
+#define ULB_LUT1_STEP_BYTES 256
+int ulb_lut1_supported(ulb_isa isa);
+void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);
+void ulb_lut1_group_avx512(const uint8_t *base, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
+                           int32_t *acc);
 
 /* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa);

@@ -29,6 +29,15 @@ int ulb_isa_supported(ulb_isa isa) {
 #endif
 }
 
+int ulb_lut1_supported(ulb_isa isa) {
+#if defined(__x86_64__)
+    return isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
 static _Atomic int active_isa = -1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 

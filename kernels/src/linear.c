@@ -25,22 +25,34 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-static ulb_status acts_quantize(const ulb_weight *w, int64_t N, const void *x, ulb_dtype dt,
+/* Per-token int8 activations; for one token and 1-bit codes on a CPU with
+ * VBMI also the lookup tables of the table-driven kernel. */
+static ulb_status acts_quantize(const ulb_weight *w, ulb_isa isa, int64_t N, const void *x, ulb_dtype dt,
                                 int64_t ldx, int64_t incx, quantized_acts *q) {
     const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
-    const size_t sum_bytes = (size_t)(N * w->n_groups) * sizeof(int32_t);
+    const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
+    const int lut = N == 1 && w->bits == 1 && ulb_lut1_supported(isa);
+    const size_t lut_bytes = lut ? (size_t)(w->ksteps * ULB_LUT1_STEP_BYTES) : 0;
     memset(q, 0, sizeof *q);
-    q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes);
+    q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes + lut_bytes);
     if (!q->scratch) return ULB_ERR_NOMEM;
     q->xq = q->scratch;
     q->xscale = (float *)((char *)q->scratch + xq_bytes);
     q->xsum = (int32_t *)((char *)q->scratch + xq_bytes + xs_bytes);
     ulb_status st = ulb_quantize_act(N, w->K, w->K_pad, w->gsteps * ulb_tile_k(w->bits), x, dt, ldx, incx,
                                      q->xq, q->xscale, q->xsum);
-    if (st != ULB_OK) acts_free(q);
-    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum};
-    return st;
+    if (st != ULB_OK) {
+        acts_free(q);
+        return st;
+    }
+    uint8_t *lut1 = NULL;
+    if (lut) {
+        lut1 = (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes;
+        ulb_lut1_build_avx512(q->xq, w->ksteps, lut1);
+    }
+    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1};
+    return ULB_OK;
 }
 
 typedef struct {
@@ -94,10 +106,10 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
         (bias && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
         return ULB_ERR_DTYPE;
     if (N == 0) return ULB_OK;
-    quantized_acts q;
-    st = acts_quantize(&w, N, x, x_dt, ldx, incx, &q);
-    if (st != ULB_OK) return st;
     const ulb_isa isa = ulb_isa_active();
+    quantized_acts q;
+    st = acts_quantize(&w, isa, N, x, x_dt, ldx, incx, &q);
+    if (st != ULB_OK) return st;
     linear_job job = {&w, &q, N, ulb_panel_for_isa(isa), bias, bias_dt, y, y_dt, ldy};
     const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
     const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
@@ -113,11 +125,16 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     ulb_status st = ulb_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
     if (N < 0) return ULB_ERR_SHAPE;
-    const ulb_panel_fn fn = ulb_panel_for_isa(ulb_isa_active());
-    const ulb_acts acts = {xq, w.K_pad, xsum};
+    const ulb_isa isa = ulb_isa_active();
+    const ulb_panel_fn fn = ulb_panel_for_isa(isa);
     const int64_t G = w.n_groups;
-    int32_t *pd = ulb_aligned_alloc((size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t));
+    const int lut = N == 1 && w.bits == 1 && ulb_lut1_supported(isa);
+    const size_t pd_bytes = (size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t);
+    int32_t *pd = ulb_aligned_alloc(pd_bytes + (lut ? (size_t)(w.ksteps * ULB_LUT1_STEP_BYTES) : 0));
     if (!pd) return ULB_ERR_NOMEM;
+    uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
+    if (lut) ulb_lut1_build_avx512(xq, w.ksteps, lut1);
+    const ulb_acts acts = {xq, w.K_pad, xsum, lut1};
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;

@@ -102,7 +102,12 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         const int64_t ks0 = g * w->gsteps;
         const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
         __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES];
-        if (nb == 1)
+        if (bits == 1 && nb == 1 && a->lut1) {
+            int32_t dot1[ULB_PANEL_ROWS] __attribute__((aligned(64)));
+            ulb_lut1_group_avx512(base, ks0, ks1, nt, a->lut1, dot1);
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) acc[0][t] = _mm512_load_si512(dot1 + t * ULB_TILE);
+        } else if (nb == 1)
             one_token_group(base, ks0, ks1, x[0], acc[0], nt, bits);
         else
             tokens_group(base, ks0, ks1, x, acc, nb, nt, bits);
