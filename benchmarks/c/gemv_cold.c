@@ -22,18 +22,23 @@ int main(int argc, char **argv) {
     const int fmt = argc > 3 ? atoi(argv[3]) : ULB_FMT_INT2_SYM;
     const int threads = argc > 4 ? atoi(argv[4]) : 1;
     const int rounds = argc > 5 ? atoi(argv[5]) : 8;
+    const ulb_format_info *fi = ulb_format_get(fmt);
     const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
+    if (!fi || nbytes < 0) {
+        fprintf(stderr, "bad format %d or shape %ldx%ld\n", fmt, (long)M, (long)K);
+        return 2;
+    }
     int n = (int)((600LL << 20) / nbytes);
     if (n < 4) n = 4;
     uint8_t *codes = malloc(M * K);
     float *sc = malloc(M * sizeof(float));
-    for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() & (fmt == ULB_FMT_BINARY ? 1 : 3));
+    for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fi->max_code + 1));
     for (int64_t i = 0; i < M; i++) sc[i] = 0.01f;
     uint8_t **blobs = malloc(n * sizeof *blobs);
     for (int i = 0; i < n; i++) {
         blobs[i] = aligned_alloc(64, (nbytes + 63) / 64 * 64);
-        if (i == 0) ulb_pack(fmt, M, K, 0, codes, K, sc, blobs[0], nbytes);
-        else memcpy(blobs[i], blobs[0], nbytes);
+        if (i > 0) memcpy(blobs[i], blobs[0], nbytes);
+        else if (ulb_pack(fmt, M, K, 0, codes, K, sc, blobs[0], nbytes) != ULB_OK) return 2;
     }
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
@@ -44,13 +49,14 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) ulb_read_probe(blobs[i], nbytes, threads, &checksum);
         const double t1 = now_s();
         for (int i = 0; i < n; i++)
-            ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, threads);
+            if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, threads))
+                return 2;
         const double t2 = now_s();
         if (r) t_read += t1 - t0, t_gemv += t2 - t1;
     }
     const double total = (double)rounds * n * nbytes;
     printf("%s M=%ld K=%ld threads=%d isa=%s: %.1f us/call, %.1f GB/s; read probe %.1f GB/s; %.0f%% of read\n",
-           ulb_format_get(fmt)->name, (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()),
+           fi->name, (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()),
            t_gemv / rounds / n * 1e6, total / t_gemv / 1e9, total / t_read / 1e9, 100.0 * t_read / t_gemv);
     return 0;
 }
