@@ -25,14 +25,13 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-/* Per-token int8 activations; for one token and 1-bit codes on a CPU with
- * VBMI also the lookup tables of the table-driven kernel. */
-static ulb_status acts_quantize(const ulb_weight *w, ulb_isa isa, int64_t N, const void *x, ulb_dtype dt,
+/* Per-token int8 activations, and with `lut` the lookup tables of the 1-bit
+ * one-token kernel. */
+static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const void *x, ulb_dtype dt,
                                 int64_t ldx, int64_t incx, quantized_acts *q) {
     const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
     const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
-    const int lut = N == 1 && w->bits == 1 && ulb_lut1_supported(isa);
     const size_t lut_bytes = lut ? (size_t)(w->ksteps * ULB_LUT1_STEP_BYTES) : 0;
     memset(q, 0, sizeof *q);
     q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes + lut_bytes);
@@ -107,13 +106,19 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
         return ULB_ERR_DTYPE;
     if (N == 0) return ULB_OK;
     const ulb_isa isa = ulb_isa_active();
+    const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
+    if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
+    /* The lookup kernel pays when one core must keep up with DRAM alone (cold
+     * 1-bit GEMV, 1 thread: 86-87% of a read against 82-84% on the larger
+     * llama3-8b shapes); with two threads the table-free kernel is already
+     * memory-bound, and the tables only add cache traffic (75-88% against
+     * 86-92%, benchmarks/c/gemv_cold.c). */
+    const int lut = N == 1 && w.bits == 1 && nthreads <= 1 && ulb_lut1_supported(isa);
     quantized_acts q;
-    st = acts_quantize(&w, isa, N, x, x_dt, ldx, incx, &q);
+    st = acts_quantize(&w, lut, N, x, x_dt, ldx, incx, &q);
     if (st != ULB_OK) return st;
     linear_job job = {&w, &q, N, ulb_panel_for_isa(isa), bias, bias_dt, y, y_dt, ldy};
     const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
-    const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
-    if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, npanels, linear_panels, &job);
     acts_free(&q);
     return st;
