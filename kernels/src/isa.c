@@ -29,22 +29,16 @@ int ulb_isa_supported(ulb_isa isa) {
 #endif
 }
 
-int ulb_lut1_supported(ulb_isa isa) {
-#if defined(__x86_64__)
-    return isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
-#else
-    (void)isa;
-    return 0;
-#endif
-}
-
 static _Atomic int active_isa = -1;
+static int lut1_off; /* ULB_LUT1=0 at load: never the 1-bit lookup kernel (for A/B timing) */
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
 static void isa_init(void) {
     ulb_isa best = ULB_ISA_SCALAR;
     if (ulb_isa_supported(ULB_ISA_AVX2)) best = ULB_ISA_AVX2;
     if (ulb_isa_supported(ULB_ISA_AVX512)) best = ULB_ISA_AVX512;
+    const char *lut = getenv("ULB_LUT1");
+    lut1_off = lut && !strcmp(lut, "0");
     const char *env = getenv("ULB_ISA");
     if (env)
         for (int i = 0; i <= ULB_ISA_AVX512; i++)
@@ -62,6 +56,17 @@ ulb_status ulb_isa_set(ulb_isa isa) {
     if ((unsigned)isa > ULB_ISA_AVX512 || !ulb_isa_supported(isa)) return ULB_ERR_ISA;
     atomic_store(&active_isa, (int)isa);
     return ULB_OK;
+}
+
+int ulb_lut1_supported(ulb_isa isa) {
+#if defined(__x86_64__)
+    pthread_once(&isa_once, isa_init);
+    return !lut1_off && isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) &&
+           __builtin_cpu_supports("avx512vbmi");
+#else
+    (void)isa;
+    return 0;
+#endif
 }
 
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {

@@ -112,7 +112,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
      * 1-bit GEMV, 1 thread: 86-87% of a read against 82-84% on the larger
      * llama3-8b shapes); with two threads the table-free kernel is already
      * memory-bound, and the tables only add cache traffic (75-88% against
-     * 86-92%, benchmarks/c/gemv_cold.c). */
+     * 86-92%; benchmarks/c/gemv_cold.c, ULB_LUT1=0 turns the tables off). */
     const int lut = N == 1 && w.bits == 1 && nthreads <= 1 && ulb_lut1_supported(isa);
     quantized_acts q;
     st = acts_quantize(&w, lut, N, x, x_dt, ldx, incx, &q);
