@@ -126,6 +126,36 @@ def time_rotating(items: Sequence, fn: Callable[[Any], Any], *, reps: int = 15, 
     return median_time(rot, reps=reps, warmup=0, inner=inner)
 
 
+def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]], *, reps: int = 15,
+                     min_sample_s: float = 2e-3) -> list[float]:
+    """Median seconds per call of each (items, fn) over its own cold rotation,
+    with the samples taken in turn (a sample of each candidate, then the next
+    round, starting one candidate later), so that DRAM bandwidth drifting
+    during the measurement weighs on all candidates alike and their ratios
+    hold."""
+    rots = [Rotation(items, fn) for items, fn in candidates]
+    inner = []
+    for rot, (items, _) in zip(rots, candidates):
+        for _ in range(len(items)):
+            rot()
+        probe = min(len(items), 8)
+        t0 = time.perf_counter()
+        for _ in range(probe):
+            rot()
+        inner.append(calls_per_sample((time.perf_counter() - t0) / probe, min_sample_s))
+    samples: list[list[float]] = [[] for _ in rots]
+    n = len(rots)
+    for r in range(max(1, reps)):
+        for j in range(n):  # each round starts one candidate later: no fixed neighbour
+            i = (r + j) % n
+            rot = rots[i]
+            t0 = time.perf_counter()
+            for _ in range(inner[i]):
+                rot()
+            samples[i].append((time.perf_counter() - t0) / inner[i])
+    return [statistics.median(s) for s in samples]
+
+
 def cold_rotation(n_bytes_each: int, total_target: int = 600 * MiB, min_total: int = 256 * MiB,
                   max_count: int = 1_000_000) -> int:
     """Number of distinct matrices of n_bytes_each to rotate through so that

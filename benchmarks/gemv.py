@@ -184,56 +184,54 @@ def main(argv=None):
         for model in models:
             for M, K in all_models[model]:
                 shape = f"{M}x{K}"
-                # -- bf16 baseline, measured once per shape and thread count ------------
-                bf16_us, bf16_hot_us = {}, {}
+                # -- GEMV, cold: bf16, every format and a read of each format's blobs,
+                # sampled in turn so that their ratios share the same DRAM moment.
                 if not args.no_gemv:
                     wb = bf16_rotation(M, K, rotate_bytes, min_bytes, gen)
                     xb = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+                    bf16_rot_mib = len(wb) * M * K * 2 / MiB
+                    rots = {fmt: OursRotation(M, K, fmt, args.group_size, rotate_bytes, min_bytes, args.module, gen)
+                            for fmt in formats}
+                    x = torch.randn(1, K, generator=gen).to(act_dtype)
+                    calls = {fmt: rot.call(x) for fmt, rot in rots.items()}
                     for nt in threads:
                         torch.set_num_threads(nt)
-                        bf16_us[nt] = 1e6 * common.time_rotating(wb, lambda w: F.linear(xb, w), reps=args.reps)
+                        # The same blobs, read with the same pool, split and
+                        # thread count: the roofline for this access pattern.
+                        stream = [([m.packed for m in rot.items] if args.module else rot.items,
+                                   lambda b: ulbtorch.runtime.read_probe(b, nt)) for rot in rots.values()]
+                        times = common.time_interleaved(
+                            [(wb, lambda w: F.linear(xb, w))] + [(rots[f].items, calls[f]) for f in formats] + stream,
+                            reps=args.reps)
+                        t_bf16, t_ours, t_stream = times[0], times[1:1 + len(formats)], times[1 + len(formats):]
+                        bf16_us = 1e6 * t_bf16
                         if args.hot:
                             w0 = wb[0]
-                            bf16_hot_us[nt] = 1e6 * time_hot(lambda: F.linear(xb, w0), args.reps)
-                    bf16_rot_mib = len(wb) * M * K * 2 / MiB
-                    del wb
-                    gc.collect()
-                for fmt in formats:
-                    # -- ours, cold -----------------------------------------------------
-                    if not args.no_gemv:
-                        rot = OursRotation(M, K, fmt, args.group_size, rotate_bytes, min_bytes, args.module, gen)
-                        x = torch.randn(1, K, generator=gen).to(act_dtype)
-                        call = rot.call(x)
-                        for nt in threads:
-                            torch.set_num_threads(nt)
-                            t = common.time_rotating(rot.items, call, reps=args.reps)
+                            bf16_hot_us = 1e6 * time_hot(lambda: F.linear(xb, w0), args.reps)
+                        for fmt, t, ts in zip(formats, t_ours, t_stream):
+                            rot = rots[fmt]
                             check_pool_threads(fmt, nt)
-                            # The same blobs, read with the same pool, split and
-                            # thread count, right after: the roofline for this
-                            # access pattern at this moment.
-                            blobs = [m.packed for m in rot.items] if args.module else rot.items
-                            t_stream = common.time_rotating(
-                                blobs, lambda b: ulbtorch.runtime.read_probe(b, nt), reps=args.reps)
                             us = 1e6 * t
                             gbps = rot.blob_bytes / t / 1e9
                             row = dict(model=model, shape=shape, M=M, K=K, threads=nt, format=fmt,
                                        rot=f"{rot.count}x{rot.blob_bytes / MiB:.2f}M",
                                        rot_count=rot.count, blob_bytes=rot.blob_bytes,
                                        rot_mib=rot.total_bytes / MiB, bf16_rot_mib=bf16_rot_mib,
-                                       us=us, us_bf16=bf16_us[nt], gbps=gbps,
+                                       us=us, us_bf16=bf16_us, gbps=gbps,
                                        pct_bw=100 * gbps / bw[nt]["gbps"], read_bw=bw[nt]["gbps"],
-                                       gbps_stream=rot.blob_bytes / t_stream / 1e9,
-                                       pct_stream=100 * t_stream / t,
-                                       gbps_bf16=M * K * 2 / (bf16_us[nt] * 1e-6) / 1e9,
-                                       speedup=bf16_us[nt] / us, mode="module" if args.module else "op")
+                                       gbps_stream=rot.blob_bytes / ts / 1e9,
+                                       pct_stream=100 * ts / t,
+                                       gbps_bf16=M * K * 2 / (bf16_us * 1e-6) / 1e9,
+                                       speedup=bf16_us / us, mode="module" if args.module else "op")
                             if args.hot:
-                                item = rot.items[0]
+                                item, call = rot.items[0], calls[fmt]
                                 row["us_hot"] = 1e6 * time_hot(lambda: call(item), args.reps)
-                                row["us_bf16_hot"] = bf16_hot_us[nt]
-                                row["speedup_hot"] = bf16_hot_us[nt] / row["us_hot"]
+                                row["us_bf16_hot"] = bf16_hot_us
+                                row["speedup_hot"] = bf16_hot_us / row["us_hot"]
                             gemv.add(row, echo=True)
-                        del rot, call
-                        gc.collect()
+                    del wb, rots, calls, stream
+                    gc.collect()
+                for fmt in formats:
                     # -- prefill GEMM, hot ----------------------------------------------
                     if prefill_ns:
                         gs = effective_group_size(args.group_size, K)
