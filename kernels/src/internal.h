@@ -11,10 +11,11 @@
 
 /* How far ahead of the tile it reads a microkernel prefetches the code stream
  * into L2, per code width. Measured with a 1-thread cold GEMV on Zen 4
- * (benchmarks/c/prefetch_sweep.sh): the 1-bit kernel, which spends more
- * instructions per byte, goes from ~68% to ~81% of a plain read loop with
- * 8-32 KiB; the 2-bit kernel streams best on the hardware prefetcher alone
- * (~88%, ~78% with a software prefetch). 2-4 KiB ahead hurts both. 0 = off. */
+ * (benchmarks/c/prefetch_sweep.sh): 1-bit kernels, which spend more
+ * instructions per byte, need it (table-free kernel ~68% -> ~81% of a plain
+ * read loop with 8-32 KiB, lookup kernel 50% -> 86-91%); the 2-bit kernel
+ * streams best on the hardware prefetcher alone (~88%, ~78% with a software
+ * prefetch). 2-4 KiB ahead hurts both. 0 = off. */
 #ifndef ULB_PREFETCH_1BIT
 #define ULB_PREFETCH_1BIT 16384
 #endif
@@ -36,7 +37,7 @@ typedef struct {
     const int8_t *xq;    /* N x ldq, zero padded to K_pad */
     int64_t ldq;
     const int32_t *xsum; /* N x n_groups */
-    const uint8_t *lut1; /* N == 1 and 1-bit codes on AVX-512 VBMI: lookup tables, else NULL */
+    const uint8_t *lut1; /* lookup tables of the 1-bit one-token kernel, or NULL (see linear.c) */
 } ulb_acts;
 
 /* The microkernel contract, identical for every ISA:
@@ -67,7 +68,8 @@ void ulb_quant_tail_ref(const void *x, ulb_dtype dt, int64_t k0, int64_t K, floa
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of
- * ULB_LUT1_STEP_BYTES per 32 columns, built once per call. */
+ * ULB_LUT1_STEP_BYTES per 32 columns, built once per call; AVX-512 VBMI only,
+ * and off with ULB_LUT1=0 in the environment at load. */
 #define ULB_LUT1_STEP_BYTES 256
 int ulb_lut1_supported(ulb_isa isa);
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);

@@ -1,8 +1,9 @@
 /* One-token 1-bit GEMV by table lookup (AVX-512 VBMI + VNNI), after T-MAC:
  * vpermb looks up the partial dot product of 4 weights at once, so one
  * vpdpbusd sums 16 weights per row instead of 4. On Zen 4 this runs 1-bit
- * codes ~1.3x faster than masking fields for vpdpbusd (benchmarks/c/kernel_hot.c)
- * and stays exact: every table entry fits a byte.
+ * codes 1.2-1.3x faster in cache than masking fields for vpdpbusd
+ * (benchmarks/c/kernel_hot.c) and stays exact: every table entry fits a byte.
+ * linear.c uses it for one token on one thread, where it pays.
  *
  * Tables, per token and k-step ks (32 columns), ULB_LUT1_STEP_BYTES bytes:
  * four 64-byte tables [L lo, H lo, L hi, H hi], entry e = 16*b + n:
