@@ -92,3 +92,20 @@ def test_unknown_quant_method_or_option_is_rejected():
     with pytest.raises(ValueError, match="unknown options \\['bitz'\\]"):
         UlbConfig.from_dict({"quant_method": "ulb", "bitz": 2})
     assert UlbConfig.from_dict({"quant_method": "ulb", "bits": 1}).format == "binary"
+
+
+def _run(code):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_import_is_lazy_and_registration_follows_transformers():
+    # import ulbtorch leaves transformers' quantizer registry alone (seconds to import) ...
+    assert _run("import sys, ulbtorch; print('transformers.quantizers' in sys.modules)") == ["False"]
+    # ... and "ulb" is registered as soon as anything loads it, before or after ulbtorch.
+    check = ("from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as Q, "
+             "AUTO_QUANTIZATION_CONFIG_MAPPING as C; print('ulb' in Q, 'ulb' in C)")
+    assert _run("import ulbtorch\n" + check) == ["True", "True"]
+    assert _run("import transformers.quantizers, ulbtorch\n" + check) == ["True", "True"]
+    assert _run("import ulbtorch; print(ulbtorch.UlbConfig.__name__)") == ["UlbConfig"]

@@ -10,7 +10,17 @@ __version__ = "0.1.0"
 import importlib.util as _util  # noqa: E402
 
 if _util.find_spec("transformers") is not None:
-    from .integrations import transformers as _hf  # noqa: F401  (registers quant_method "ulb")
-    from .integrations.transformers import UlbConfig  # noqa: F401
+    from .integrations import lazy_hf as _lazy_hf
+
+    _lazy_hf.install()  # quant_method "ulb", once transformers' quantizers load
+
+
+def __getattr__(name):
+    if name == "UlbConfig":  # imports transformers' quantizers: seconds, so only on use
+        from .integrations.transformers import UlbConfig
+
+        return UlbConfig
+    raise AttributeError(f"module 'ulbtorch' has no attribute {name!r}")
+
 __all__ = ["ops", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "LinearTernary",
            "LowBitLinear", "QuantConfig", "quantize_", "save_quantized", "load_quantized"]

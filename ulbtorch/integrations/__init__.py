@@ -1,2 +1,3 @@
 """Hooks into the libraries users already run: transformers (quantization
-method "ulb"), registered on import when transformers is installed."""
+method "ulb", registered when transformers loads its quantizers: lazy_hf.py)
+and vLLM (plugin entry point)."""
