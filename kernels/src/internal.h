@@ -5,6 +5,10 @@
 #include "ulb/ulb.h"
 #include "layout.h"
 
+/* Microkernel helpers take compile-time tile and token counts; inlining
+ * them is what turns those into unrolled, register-resident loops. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
 /* Columns (tokens) one microkernel call handles: weights unpacked once serve
  * this many activation vectors. */
 #define ULB_NB_MAX 4

@@ -66,8 +66,6 @@ void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut) {
     }
 }
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
 /* s[t] += sum over k-steps [ks0, ks1) of (L + 16 H) lookups, rows of tile t. */
 ALWAYS_INLINE void lut1_loop(const uint8_t *base, int64_t ks0, int64_t ks1, const uint8_t *lut,
                              __m512i s[ULB_PANEL_TILES], const int nt) {

@@ -11,8 +11,6 @@
 
 #include "../src/internal.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
 ALWAYS_INLINE __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);

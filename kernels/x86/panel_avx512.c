@@ -7,8 +7,6 @@
 
 #include "../src/internal.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
 /* acc += u (u8) . broadcast of the 4 int8 at p, with the broadcast folded into
  * the instruction: GCC otherwise hoists the broadcasts into registers, and
  * the one-token loop (16 accumulators) then spills and loses 25%. */
