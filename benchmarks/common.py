@@ -108,35 +108,24 @@ class Rotation:
 
 def time_rotating(items: Sequence, fn: Callable[[Any], Any], *, reps: int = 15, warmup_passes: int = 1,
                   min_sample_s: float = 2e-3) -> float:
-    """Median seconds per call of fn over a cold rotation of items.
-
-    Warms up with `warmup_passes` full passes (page faults, thread pool start),
-    then takes `reps` samples of consecutive calls, each sample at least one
-    call and about min_sample_s long.
-    """
-    rot = Rotation(items, fn)
-    for _ in range(max(1, warmup_passes) * len(items)):
-        rot()
-    t0 = time.perf_counter()
-    probe = min(len(items), 8)
-    for _ in range(probe):
-        rot()
-    est = (time.perf_counter() - t0) / probe
-    inner = calls_per_sample(est, min_sample_s)
-    return median_time(rot, reps=reps, warmup=0, inner=inner)
+    """Median seconds per call of fn over a cold rotation of items (see
+    time_interleaved, of which this is the one-candidate case)."""
+    return time_interleaved([(items, fn)], reps=reps, warmup_passes=warmup_passes, min_sample_s=min_sample_s)[0]
 
 
 def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]], *, reps: int = 15,
-                     min_sample_s: float = 2e-3) -> list[float]:
+                     warmup_passes: int = 1, min_sample_s: float = 2e-3) -> list[float]:
     """Median seconds per call of each (items, fn) over its own cold rotation,
     with the samples taken in turn (a sample of each candidate, then the next
     round, starting one candidate later), so that DRAM bandwidth drifting
     during the measurement weighs on all candidates alike and their ratios
-    hold."""
+    hold. Each candidate is warmed up with `warmup_passes` full passes (page
+    faults, thread pool start); a sample is at least one call and about
+    min_sample_s long."""
     rots = [Rotation(items, fn) for items, fn in candidates]
     inner = []
     for rot, (items, _) in zip(rots, candidates):
-        for _ in range(len(items)):
+        for _ in range(max(1, warmup_passes) * len(items)):
             rot()
         probe = min(len(items), 8)
         t0 = time.perf_counter()
