@@ -25,6 +25,16 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
+/* Whether a call takes the 1-bit lookup kernel. It pays when one core must
+ * keep up with DRAM alone (cold 1-bit GEMV, 1 thread: 86-87% of a read
+ * against 82-84% on the larger llama3-8b shapes); with two threads the
+ * table-free kernel is already memory-bound, and the tables only add cache
+ * traffic (75-88% against 86-92%; benchmarks/c/gemv_cold.c, ULB_LUT1=0 turns
+ * the tables off). */
+static int use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
+    return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_supported(isa);
+}
+
 /* Per-token int8 activations, and with `lut` the lookup tables of the 1-bit
  * one-token kernel. */
 static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const void *x, ulb_dtype dt,
@@ -108,12 +118,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     const ulb_isa isa = ulb_isa_active();
     const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
     if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
-    /* The lookup kernel pays when one core must keep up with DRAM alone (cold
-     * 1-bit GEMV, 1 thread: 86-87% of a read against 82-84% on the larger
-     * llama3-8b shapes); with two threads the table-free kernel is already
-     * memory-bound, and the tables only add cache traffic (75-88% against
-     * 86-92%; benchmarks/c/gemv_cold.c, ULB_LUT1=0 turns the tables off). */
-    const int lut = N == 1 && w.bits == 1 && nthreads <= 1 && ulb_lut1_supported(isa);
+    const int lut = use_lut1(&w, N, nthreads, isa);
     quantized_acts q;
     st = acts_quantize(&w, lut, N, x, x_dt, ldx, incx, &q);
     if (st != ULB_OK) return st;
@@ -133,7 +138,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const ulb_isa isa = ulb_isa_active();
     const ulb_panel_fn fn = ulb_panel_for_isa(isa);
     const int64_t G = w.n_groups;
-    const int lut = N == 1 && w.bits == 1 && ulb_lut1_supported(isa);
+    const int lut = use_lut1(&w, N, 1, isa);
     const size_t pd_bytes = (size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t);
     int32_t *pd = ulb_aligned_alloc(pd_bytes + (lut ? (size_t)(w.ksteps * ULB_LUT1_STEP_BYTES) : 0));
     if (!pd) return ULB_ERR_NOMEM;
