@@ -73,7 +73,8 @@ class OursRotation:
         if self.module:
             return lambda m: m(x)
         M = self.M
-        return lambda b: torch.ops.ulb.linear(x, b, None, M)
+        op = torch.ops.ulb.linear.default  # the overload the modules call
+        return lambda b: op(x, b, None, M)
 
 
 def bf16_rotation(M, K, rotate_bytes, min_bytes, gen):
