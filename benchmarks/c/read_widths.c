@@ -1,0 +1,125 @@
+/* How fast one core streams from DRAM as a function of load width, next to
+ * the 2-bit GEMV: plain read loops with 16-, 32- and 64-byte loads,
+ * ulb_read_probe (what the Python benchmarks call "stream"), and ulb_linear
+ * over the same rotation of packed blobs (~600 MiB, so every call is cold),
+ * taken in turn every round. Prints GB/s and the median per-round ratio to
+ * the probe. On the Zen 4 VM of benchmarks/results a 64-byte-load loop reads
+ * ~14% slower than the 16-byte one, and the AVX-512 GEMV, whose loads are
+ * 64 bytes, lands next to the 64-byte loop.
+ * Usage: read_widths [M K format threads rounds]; threads applies to the
+ * probe and the GEMV, the plain loops run on the calling thread. */
+#include <immintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ulb/ulb.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static volatile uint64_t sink;
+
+static void read16(const uint8_t *p, int64_t n) {
+    __m128i a = _mm_setzero_si128(), b = a;
+    for (int64_t i = 0; i + 32 <= n; i += 32) {
+        a = _mm_add_epi64(a, _mm_load_si128((const __m128i *)(p + i)));
+        b = _mm_add_epi64(b, _mm_load_si128((const __m128i *)(p + i + 16)));
+    }
+    sink = (uint64_t)_mm_cvtsi128_si64(_mm_add_epi64(a, b));
+}
+
+__attribute__((target("avx2"))) static void read32(const uint8_t *p, int64_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a;
+    for (int64_t i = 0; i + 64 <= n; i += 64) {
+        a = _mm256_add_epi64(a, _mm256_load_si256((const __m256i *)(p + i)));
+        b = _mm256_add_epi64(b, _mm256_load_si256((const __m256i *)(p + i + 32)));
+    }
+    sink = (uint64_t)_mm256_extract_epi64(_mm256_add_epi64(a, b), 0);
+}
+
+__attribute__((target("avx512f"))) static void read64(const uint8_t *p, int64_t n) {
+    __m512i a = _mm512_setzero_si512(), b = a;
+    for (int64_t i = 0; i + 128 <= n; i += 128) {
+        a = _mm512_add_epi64(a, _mm512_load_si512(p + i));
+        b = _mm512_add_epi64(b, _mm512_load_si512(p + i + 64));
+    }
+    sink = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a, b));
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+enum { PROBE, R16, R32, R64, GEMV, NCAND };
+
+int main(int argc, char **argv) {
+    const int64_t M = argc > 1 ? atoll(argv[1]) : 4096, K = argc > 2 ? atoll(argv[2]) : 4096;
+    const int fmt = argc > 3 ? atoi(argv[3]) : ULB_FMT_INT2_SYM;
+    const int threads = argc > 4 ? atoi(argv[4]) : 1;
+    int rounds = argc > 5 ? atoi(argv[5]) : 15;
+    if (rounds < 1) rounds = 1;
+    if (rounds > 200) rounds = 200;
+    const ulb_format_info *fi = ulb_format_get(fmt);
+    const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
+    if (!fi || nbytes < 0) {
+        fprintf(stderr, "bad format %d or shape %ldx%ld\n", fmt, (long)M, (long)K);
+        return 2;
+    }
+    const int have512 = __builtin_cpu_supports("avx512f"), have256 = __builtin_cpu_supports("avx2");
+    int n = (int)((600LL << 20) / nbytes);
+    if (n < 4) n = 4;
+    uint8_t *codes = malloc(M * K);
+    float *sc = malloc(M * sizeof(float));
+    for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fi->max_code + 1));
+    for (int64_t i = 0; i < M; i++) sc[i] = 0.01f;
+    uint8_t **blobs = malloc(n * sizeof *blobs);
+    for (int i = 0; i < n; i++) {
+        blobs[i] = aligned_alloc(64, (nbytes + 63) / 64 * 64);
+        if (i > 0) memcpy(blobs[i], blobs[0], nbytes);
+        else if (ulb_pack(fmt, M, K, 0, codes, K, sc, blobs[0], nbytes) != ULB_OK) return 2;
+    }
+    float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
+    for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
+    const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "GEMV"};
+    double t[NCAND][201];
+    for (int r = 0; r <= rounds; r++) /* round 0 warms up */
+        for (int j = 0; j < NCAND; j++) {
+            const int c = (r + j) % NCAND; /* each round starts one candidate later */
+            if ((c == R32 && !have256) || (c == R64 && !have512)) continue;
+            uint64_t checksum;
+            const double t0 = now_s();
+            for (int i = 0; i < n; i++) {
+                switch (c) {
+                case PROBE: ulb_read_probe(blobs[i], nbytes, threads, &checksum); break;
+                case R16: read16(blobs[i], nbytes); break;
+                case R32: read32(blobs[i], nbytes); break;
+                case R64: read64(blobs[i], nbytes); break;
+                default:
+                    if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M,
+                                   threads))
+                        return 2;
+                }
+            }
+            t[c][r] = now_s() - t0;
+        }
+    printf("%s M=%ld K=%ld, probe and GEMV on %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
+           (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()), rounds, n, nbytes / 1048576.0);
+    for (int c = 0; c < NCAND; c++) {
+        if ((c == R32 && !have256) || (c == R64 && !have512)) continue;
+        double ratio[200], total = 0;
+        for (int r = 1; r <= rounds; r++) {
+            ratio[r - 1] = t[PROBE][r] / t[c][r];
+            total += t[c][r];
+        }
+        qsort(ratio, rounds, sizeof *ratio, cmp_double);
+        printf("  %-15s %6.1f GB/s  %5.1f%% of the probe (median of per-round ratios)\n", names[c],
+               (double)rounds * n * nbytes / total / 1e9, 100 * ratio[rounds / 2]);
+    }
+    return 0;
+}
