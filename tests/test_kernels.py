@@ -205,6 +205,32 @@ def test_linear_bias(gen, isa, x_dtype, bias_dtype):
     assert torch.equal(y, (y0 + bias.float()).to(x_dtype))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_bf16_output_rounding_ties_and_nan(gen, isa):
+    """The bf16 output step on the values where rounding rules differ: exact
+    ties (half to even) and NaNs whose payload would carry into the bf16 bits.
+    A bias of T - y makes the pre-rounding sum exactly T (Sterbenz)."""
+    M, K = 70, 200
+    blob = _blob(gen, "int2", M, K)
+    x = torch.randn(3, K, generator=gen).to(torch.bfloat16)
+    y = torch.ops.ulb.linear(x.float(), blob, None, M)  # the fp32 sum before the bias
+    bits = y.view(torch.int32)
+    ties = ((bits & ~0xFFFF) | 0x8000).view(torch.float32)  # halfway between two bf16 values
+    bias = (ties - y)[0]
+    assert torch.equal(y[0] + bias, ties[0])
+    nan = torch.tensor([0x7FC0FFFF], dtype=torch.int32).view(torch.float32)
+    bias[::5] = nan
+    with runtime.use_isa(isa):
+        out = torch.ops.ulb.linear(x, blob, bias, M)
+    with runtime.use_isa("scalar"):
+        ref = torch.ops.ulb.linear(x, blob, bias, M)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    finite = torch.ones(M, dtype=torch.bool)
+    finite[::5] = False
+    assert torch.equal(out[0, finite], ties[0, finite].to(torch.bfloat16))
+    assert torch.isnan(out[:, ~finite]).all()
+
+
 def test_linear_multithread_identical(gen):
     M, K = 1000, 257
     blob = _blob(gen, "int2", M, K, 128)

@@ -55,12 +55,30 @@ typedef void (*ulb_panel_fn)(const ulb_weight *w, int64_t tile0, int ntiles,
                              const ulb_acts *a, int64_t n0, int nb,
                              float *facc, int32_t *dots);
 
+/* Where a linear call writes its result. */
+typedef struct {
+    const float *xscale; /* per token: 1 / the activation quantisation factor */
+    const void *bias;    /* M elements of bias_dt, or NULL */
+    ulb_dtype bias_dt;
+    void *y; /* N x ldy elements of y_dt */
+    ulb_dtype y_dt;
+    int64_t ldy;
+} ulb_out;
+
+/* The output step of one panel, identical for every ISA: for j < nb, r < rows,
+ *   y[n0+j, m0+r] = (facc[j*64 + r] * xscale[n0+j]) (+ bias[m0+r])
+ * in fp32, multiply then add, rounded once to y_dt (nearest even). */
+typedef void (*ulb_store_fn)(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
+
 void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                    int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                     int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                       int64_t n0, int nb, float *facc, int32_t *dots);
+
+void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
+void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 
 /* Quantise one contiguous activation row to int8; returns inv = 127/absmax
  * (NaN if the row is not finite). Every ISA gives the same bits. */
@@ -82,6 +100,7 @@ void ulb_lut1_group_avx512(const uint8_t *base, int64_t ks0, int64_t ks1, int nt
 
 /* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa);
+ulb_store_fn ulb_store_for_isa(ulb_isa isa);
 
 /* Validated view of a blob. */
 ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w);

@@ -79,6 +79,14 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     }
 }
 
+ulb_store_fn ulb_store_for_isa(ulb_isa isa) {
+#if defined(__x86_64__)
+    if (isa == ULB_ISA_AVX512) return ulb_store_rows_avx512;
+#endif
+    (void)isa;
+    return ulb_store_rows_ref; /* AVX2: its kernels are compute-bound, the scalar step costs them nothing */
+}
+
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)

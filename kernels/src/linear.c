@@ -1,10 +1,9 @@
-/* The linear driver: quantise activations, split panels over threads, run the
- * active ISA's microkernel on each panel and apply the shared epilogue
- * (activation scale, bias, output dtype). */
+/* The linear driver: quantise activations, split panels over threads, and on
+ * each panel run the active ISA's microkernel and output step (activation
+ * scale, bias, output dtype). */
 #include <stdlib.h>
 #include <string.h>
 
-#include "dtype.h"
 #include "internal.h"
 
 void *ulb_aligned_alloc(size_t bytes) {
@@ -66,14 +65,11 @@ static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const v
 
 typedef struct {
     const ulb_weight *w;
-    const quantized_acts *q;
+    const ulb_acts *acts;
     int64_t N;
-    ulb_panel_fn fn;
-    const void *bias;
-    ulb_dtype bias_dt;
-    void *y;
-    ulb_dtype y_dt;
-    int64_t ldy;
+    ulb_panel_fn panel;
+    ulb_store_fn store;
+    ulb_out out;
 } linear_job;
 
 static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
@@ -87,16 +83,8 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
         const int64_t rows = w->M - m0 < ntiles * ULB_TILE ? w->M - m0 : ntiles * ULB_TILE;
         for (int64_t n0 = 0; n0 < job->N; n0 += ULB_NB_MAX) {
             const int nb = job->N - n0 < ULB_NB_MAX ? (int)(job->N - n0) : ULB_NB_MAX;
-            job->fn(w, tile0, ntiles, &job->q->acts, n0, nb, facc, NULL);
-            for (int j = 0; j < nb; j++) {
-                const float xs = job->q->xscale[n0 + j];
-                const int64_t yrow = (n0 + j) * job->ldy + m0;
-                for (int64_t r = 0; r < rows; r++) {
-                    float v = facc[j * ULB_PANEL_ROWS + r] * xs;
-                    if (job->bias) v = v + ulb_load_elem(job->bias, job->bias_dt, m0 + r);
-                    ulb_store_elem(job->y, job->y_dt, yrow + r, v);
-                }
-            }
+            job->panel(w, tile0, ntiles, job->acts, n0, nb, facc, NULL);
+            job->store(&job->out, facc, n0, nb, m0, rows);
         }
     }
 }
@@ -122,9 +110,10 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     quantized_acts q;
     st = acts_quantize(&w, lut, N, x, x_dt, ldx, incx, &q);
     if (st != ULB_OK) return st;
-    linear_job job = {&w, &q, N, ulb_panel_for_isa(isa), bias, bias_dt, y, y_dt, ldy};
+    const linear_job job = {&w, &q.acts, N, ulb_panel_for_isa(isa), ulb_store_for_isa(isa),
+                            {q.xscale, bias, bias_dt, y, y_dt, ldy}};
     const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
-    st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, npanels, linear_panels, &job);
+    st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, npanels, linear_panels, (void *)&job);
     acts_free(&q);
     return st;
 }
