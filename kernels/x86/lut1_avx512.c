@@ -66,60 +66,42 @@ void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut) {
     }
 }
 
-/* Adds one k-step's lookups for a tile to byte sums: L and H each gain two
- * entries of [0, 60]. */
-ALWAYS_INLINE void lookup_step(const uint8_t *tile, const uint8_t *tab, __m512i *L, __m512i *H) {
-    const __m512i m0f = _mm512_set1_epi8(0x0F), slot = _mm512_set1_epi32(0x30201000);
-    if (ulb_prefetch_bytes(1)) _mm_prefetch((const char *)tile + ulb_prefetch_bytes(1), _MM_HINT_T1);
-    const __m512i v = _mm512_loadu_si512(tile);
-    /* (nibble | b << 4): vpermb reads the low 6 bits. */
-    const __m512i lo = _mm512_ternarylogic_epi32(v, m0f, slot, 0xEA);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m0f, slot, 0xEA);
-    *L = _mm512_add_epi8(*L, _mm512_add_epi8(_mm512_permutexvar_epi8(lo, _mm512_loadu_si512(tab)),
-                                             _mm512_permutexvar_epi8(hi, _mm512_loadu_si512(tab + 128))));
-    *H = _mm512_add_epi8(*H, _mm512_add_epi8(_mm512_permutexvar_epi8(lo, _mm512_loadu_si512(tab + 64)),
-                                             _mm512_permutexvar_epi8(hi, _mm512_loadu_si512(tab + 192))));
-}
-
-/* sl[t] and sh[t] += the L and H lookups of k-steps [ks0, ks1), rows of tile
- * t. Two k-steps' entries (at most 4 x 60) are summed in bytes before one
- * vpdpbusd each, halving the vpdpbusd per code; tiles are still read in
- * address order, which the cold stream needs. */
+/* s[t] += sum over k-steps [ks0, ks1) of (L + 16 H) lookups, rows of tile t. */
 ALWAYS_INLINE void lut1_loop(const uint8_t *base, int64_t ks0, int64_t ks1, const uint8_t *lut,
-                             __m512i sl[ULB_PANEL_TILES], __m512i sh[ULB_PANEL_TILES], const int nt) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t ks = ks0; ks < ks1; ks += 2) {
-        const int steps = ks + 1 < ks1 ? 2 : 1;
-        __m512i L[ULB_PANEL_TILES], H[ULB_PANEL_TILES];
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) L[t] = H[t] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-        for (int k = 0; k < steps; k++)
-#pragma GCC unroll 4
-            for (int t = 0; t < nt; t++)
-                lookup_step(base + ((ks + k) * nt + t) * ULB_TILE_BYTES, lut + (ks + k) * ULB_LUT1_STEP_BYTES,
-                            &L[t], &H[t]);
+                             __m512i s[ULB_PANEL_TILES], const int nt) {
+    const __m512i m0f = _mm512_set1_epi8(0x0F), slot = _mm512_set1_epi32(0x30201000);
+    const __m512i ones = _mm512_set1_epi8(1), sixteens = _mm512_set1_epi8(16);
+    for (int64_t ks = ks0; ks < ks1; ks++) {
+        const uint8_t *tab = lut + ks * ULB_LUT1_STEP_BYTES;
+        const __m512i l_lo = _mm512_loadu_si512(tab), h_lo = _mm512_loadu_si512(tab + 64);
+        const __m512i l_hi = _mm512_loadu_si512(tab + 128), h_hi = _mm512_loadu_si512(tab + 192);
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            sl[t] = _mm512_dpbusd_epi32(sl[t], L[t], ones);
-            sh[t] = _mm512_dpbusd_epi32(sh[t], H[t], ones);
+            const uint8_t *tile = base + (ks * nt + t) * ULB_TILE_BYTES;
+            if (ulb_prefetch_bytes(1)) _mm_prefetch((const char *)tile + ulb_prefetch_bytes(1), _MM_HINT_T1);
+            const __m512i v = _mm512_loadu_si512(tile);
+            /* (nibble | b << 4): vpermb reads the low 6 bits. */
+            const __m512i lo = _mm512_ternarylogic_epi32(v, m0f, slot, 0xEA);
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m0f, slot, 0xEA);
+            s[t] = _mm512_dpbusd_epi32(s[t], _mm512_permutexvar_epi8(lo, l_lo), ones);
+            s[t] = _mm512_dpbusd_epi32(s[t], _mm512_permutexvar_epi8(lo, h_lo), sixteens);
+            s[t] = _mm512_dpbusd_epi32(s[t], _mm512_permutexvar_epi8(hi, l_hi), ones);
+            s[t] = _mm512_dpbusd_epi32(s[t], _mm512_permutexvar_epi8(hi, h_hi), sixteens);
         }
     }
 }
 
 void ulb_lut1_group_avx512(const uint8_t *base, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
                            int32_t *acc) {
-    __m512i sl[ULB_PANEL_TILES], sh[ULB_PANEL_TILES];
-    for (int t = 0; t < ULB_PANEL_TILES; t++) sl[t] = sh[t] = _mm512_setzero_si512();
+    __m512i s[ULB_PANEL_TILES];
+    for (int t = 0; t < ULB_PANEL_TILES; t++) s[t] = _mm512_setzero_si512();
     switch (nt) {
-    case 1: lut1_loop(base, ks0, ks1, lut, sl, sh, 1); break;
-    case 2: lut1_loop(base, ks0, ks1, lut, sl, sh, 2); break;
-    case 3: lut1_loop(base, ks0, ks1, lut, sl, sh, 3); break;
-    default: lut1_loop(base, ks0, ks1, lut, sl, sh, 4); break;
+    case 1: lut1_loop(base, ks0, ks1, lut, s, 1); break;
+    case 2: lut1_loop(base, ks0, ks1, lut, s, 2); break;
+    case 3: lut1_loop(base, ks0, ks1, lut, s, 3); break;
+    default: lut1_loop(base, ks0, ks1, lut, s, 4); break;
     }
-    /* Every k-step adds 8 H lookups (4 slots, 2 nibbles) of bias 32. */
-    const __m512i bias = _mm512_set1_epi32((int32_t)(8 * 32 * (ks1 - ks0)));
-    for (int t = 0; t < nt; t++)
-        _mm512_storeu_si512(acc + t * ULB_TILE,
-                            _mm512_add_epi32(sl[t], _mm512_slli_epi32(_mm512_sub_epi32(sh[t], bias), 4)));
+    /* Every k-step adds 8 H lookups (4 slots, 2 nibbles) of bias 32, times 16. */
+    const __m512i bias = _mm512_set1_epi32((int32_t)(8 * 16 * 32 * (ks1 - ks0)));
+    for (int t = 0; t < nt; t++) _mm512_storeu_si512(acc + t * ULB_TILE, _mm512_sub_epi32(s[t], bias));
 }
