@@ -24,3 +24,30 @@ def test_c_kernels(tmp_path):
     run = subprocess.run([exe], capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
     assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
     assert " 0 failed" in run.stdout, run.stdout[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_benchmark_c_tools_build(tmp_path):
+    """benchmarks/c/ builds against the current C API (the tools are run by hand, so
+    nothing else would notice them going stale)."""
+    objs = []
+    for d in ("kernels/src", "kernels/ref", "kernels/x86"):
+        for src in sorted(glob.glob(os.path.join(ROOT, d, "*.c"))):
+            obj = str(tmp_path / (os.path.basename(src) + ".o"))
+            cc = subprocess.run(["gcc", *CFLAGS, "-I" + os.path.join(ROOT, "kernels", "include"), "-c", src,
+                                 "-o", obj], capture_output=True, text=True, timeout=180)
+            assert cc.returncode == 0, cc.stderr[-4000:]
+            objs.append(obj)
+    tools = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "c", "*.c")))
+    assert tools
+    for tool in tools:
+        if os.path.basename(tool) == "ab_linear.c":  # links two renamed builds (ab_builds.sh): compile only
+            args = ["-c", tool, "-o", str(tmp_path / "ab_linear.o")]
+        else:
+            args = [tool, *objs, "-o", str(tmp_path / os.path.basename(tool)[:-2]), "-lm", "-lpthread"]
+        cc = subprocess.run(["gcc", *CFLAGS, "-Werror", "-I" + os.path.join(ROOT, "kernels", "include"), *args],
+                            capture_output=True, text=True, timeout=180)
+        assert cc.returncode == 0, (tool, cc.stderr[-4000:])
+    for script in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "c", "*.sh"))):
+        check = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, (script, check.stderr)
