@@ -8,11 +8,8 @@
  * Usage: ab_linear [M K format threads rounds]; AB_BF16=1 for bf16
  * activations and output (as the modules run under a bf16 model). */
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
 
-#include "ulb/ulb.h"
+#include "cold_blobs.h"
 
 #define ULB_AB_DECLARE(P)                                                                                 \
     ulb_status P##ulb_linear(const uint8_t *, int64_t, int64_t, const void *, ulb_dtype, int64_t, int64_t, \
@@ -24,22 +21,6 @@
     const ulb_format_info *P##ulb_format_get(int);
 ULB_AB_DECLARE(A_)
 ULB_AB_DECLARE(B_)
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, n, sizeof *v, cmp_double);
-    return v[n / 2];
-}
 
 int main(int argc, char **argv) {
     const int64_t M = argc > 1 ? atoll(argv[1]) : 2048, K = argc > 2 ? atoll(argv[2]) : 2048;
@@ -55,18 +36,9 @@ int main(int argc, char **argv) {
                 (long)K);
         return 2;
     }
-    int n = (int)((600LL << 20) / nbytes);
-    if (n < 4) n = 4;
-    uint8_t *codes = malloc(M * K);
-    float *sc = malloc(M * sizeof(float));
-    for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fi->max_code + 1));
-    for (int64_t i = 0; i < M; i++) sc[i] = 0.01f + 0.001f * (float)(i % 7);
-    uint8_t **blobs = malloc(n * sizeof *blobs);
-    for (int i = 0; i < n; i++) {
-        blobs[i] = aligned_alloc(64, (nbytes + 63) / 64 * 64);
-        if (i > 0) memcpy(blobs[i], blobs[0], nbytes);
-        else if (A_ulb_pack(fmt, M, K, 0, codes, K, sc, blobs[0], nbytes) != ULB_OK) return 2;
-    }
+    int n;
+    uint8_t **blobs = bench_cold_blobs(A_ulb_pack, fmt, fi->max_code, M, K, nbytes, &n);
+    if (!blobs) return 2;
     const ulb_dtype dt = getenv("AB_BF16") ? ULB_DT_BF16 : ULB_DT_F32;
     const size_t esize = dt == ULB_DT_F32 ? 4 : 2;
     uint8_t *x = malloc(K * 4), *ya = malloc(M * 4), *yb = malloc(M * 4);
@@ -83,13 +55,13 @@ int main(int argc, char **argv) {
         for (int j = 0; j < 3; j++) {
             const int c = (r + j) % 3; /* each round starts one candidate later */
             uint64_t checksum;
-            const double t0 = now_s();
+            const double t0 = bench_now_s();
             for (int i = 0; i < n; i++) {
                 if (c == 0) A_ulb_read_probe(blobs[i], nbytes, threads, &checksum);
                 else if (c == 1) A_ulb_linear(blobs[i], nbytes, 1, x, dt, K, 1, NULL, dt, ya, dt, M, threads);
                 else B_ulb_linear(blobs[i], nbytes, 1, x, dt, K, 1, NULL, dt, yb, dt, M, threads);
             }
-            t[c][r] = now_s() - t0;
+            t[c][r] = bench_now_s() - t0;
         }
     double pa[200], pb[200], ba[200];
     for (int r = 0; r < rounds; r++) {
@@ -100,7 +72,7 @@ int main(int argc, char **argv) {
     printf("%s %ldx%ld, %d thread(s), %s, %d rounds of %d blobs: A %.1f%%, B %.1f%% of the read probe; "
            "B/A speed %.3f (median of per-round ratios)%s\n",
            fi->name, (long)M, (long)K, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n,
-           100 * median(pa, rounds), 100 * median(pb, rounds), median(ba, rounds),
+           100 * bench_median(pa, rounds), 100 * bench_median(pb, rounds), bench_median(ba, rounds),
            same ? "" : "; OUTPUTS DIFFER");
     return 0;
 }

@@ -5,17 +5,8 @@
  * alike. For kernel tuning; benchmarks/gemv.py is the user-facing benchmark.
  * Usage: gemv_cold [M K format threads rounds] */
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
 
-#include "ulb/ulb.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+#include "cold_blobs.h"
 
 int main(int argc, char **argv) {
     const int64_t M = argc > 1 ? atoll(argv[1]) : 14336, K = argc > 2 ? atoll(argv[2]) : 4096;
@@ -28,30 +19,21 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bad format %d or shape %ldx%ld\n", fmt, (long)M, (long)K);
         return 2;
     }
-    int n = (int)((600LL << 20) / nbytes);
-    if (n < 4) n = 4;
-    uint8_t *codes = malloc(M * K);
-    float *sc = malloc(M * sizeof(float));
-    for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fi->max_code + 1));
-    for (int64_t i = 0; i < M; i++) sc[i] = 0.01f;
-    uint8_t **blobs = malloc(n * sizeof *blobs);
-    for (int i = 0; i < n; i++) {
-        blobs[i] = aligned_alloc(64, (nbytes + 63) / 64 * 64);
-        if (i > 0) memcpy(blobs[i], blobs[0], nbytes);
-        else if (ulb_pack(fmt, M, K, 0, codes, K, sc, blobs[0], nbytes) != ULB_OK) return 2;
-    }
+    int n;
+    uint8_t **blobs = bench_cold_blobs(ulb_pack, fmt, fi->max_code, M, K, nbytes, &n);
+    if (!blobs) return 2;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     double t_gemv = 0, t_read = 0;
     for (int r = 0; r <= rounds; r++) { /* round 0 warms up */
         uint64_t checksum;
-        const double t0 = now_s();
+        const double t0 = bench_now_s();
         for (int i = 0; i < n; i++) ulb_read_probe(blobs[i], nbytes, threads, &checksum);
-        const double t1 = now_s();
+        const double t1 = bench_now_s();
         for (int i = 0; i < n; i++)
             if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, threads))
                 return 2;
-        const double t2 = now_s();
+        const double t2 = bench_now_s();
         if (r) t_read += t1 - t0, t_gemv += t2 - t1;
     }
     const double total = (double)rounds * n * nbytes;

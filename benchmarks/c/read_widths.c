@@ -11,17 +11,8 @@
  * probe and the GEMV, the plain loops run on the calling thread. */
 #include <immintrin.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
 
-#include "ulb/ulb.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+#include "cold_blobs.h"
 
 static volatile uint64_t sink;
 
@@ -64,11 +55,6 @@ __attribute__((target("avx512f"))) static void read64_touch(const uint8_t *p, in
     sink = (uint64_t)_mm512_reduce_add_epi64(a);
 }
 
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 enum { PROBE, R16, R32, R64, R64T, GEMV, NCAND };
 
 int main(int argc, char **argv) {
@@ -85,18 +71,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int have512 = __builtin_cpu_supports("avx512f"), have256 = __builtin_cpu_supports("avx2");
-    int n = (int)((600LL << 20) / nbytes);
-    if (n < 4) n = 4;
-    uint8_t *codes = malloc(M * K);
-    float *sc = malloc(M * sizeof(float));
-    for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fi->max_code + 1));
-    for (int64_t i = 0; i < M; i++) sc[i] = 0.01f;
-    uint8_t **blobs = malloc(n * sizeof *blobs);
-    for (int i = 0; i < n; i++) {
-        blobs[i] = aligned_alloc(64, (nbytes + 63) / 64 * 64);
-        if (i > 0) memcpy(blobs[i], blobs[0], nbytes);
-        else if (ulb_pack(fmt, M, K, 0, codes, K, sc, blobs[0], nbytes) != ULB_OK) return 2;
-    }
+    int n;
+    uint8_t **blobs = bench_cold_blobs(ulb_pack, fmt, fi->max_code, M, K, nbytes, &n);
+    if (!blobs) return 2;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};
@@ -106,7 +83,7 @@ int main(int argc, char **argv) {
             const int c = (r + j) % NCAND; /* each round starts one candidate later */
             if ((c == R32 && !have256) || ((c == R64 || c == R64T) && !have512)) continue;
             uint64_t checksum;
-            const double t0 = now_s();
+            const double t0 = bench_now_s();
             for (int i = 0; i < n; i++) {
                 switch (c) {
                 case PROBE: ulb_read_probe(blobs[i], nbytes, threads, &checksum); break;
@@ -120,7 +97,7 @@ int main(int argc, char **argv) {
                         return 2;
                 }
             }
-            t[c][r] = now_s() - t0;
+            t[c][r] = bench_now_s() - t0;
         }
     printf("%s M=%ld K=%ld, probe and GEMV on %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
            (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()), rounds, n, nbytes / 1048576.0);
@@ -131,9 +108,8 @@ int main(int argc, char **argv) {
             ratio[r - 1] = t[PROBE][r] / t[c][r];
             total += t[c][r];
         }
-        qsort(ratio, rounds, sizeof *ratio, cmp_double);
         printf("  %-15s %6.1f GB/s  %5.1f%% of the probe (median of per-round ratios)\n", names[c],
-               (double)rounds * n * nbytes / total / 1e9, 100 * ratio[rounds / 2]);
+               (double)rounds * n * nbytes / total / 1e9, 100 * bench_median(ratio, rounds));
     }
     return 0;
 }
