@@ -200,7 +200,7 @@ def main(argv=None):
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
     p.add_argument("--reps", type=int, default=15, help="timing samples per cold measurement (median)")
     p.add_argument("--bw-mib", type=int, default=512, help="buffer size of the read-bandwidth probe (MiB)")
-    p.add_argument("--png", default="roofline.png", help="plot path (default roofline.png); 'none' to skip")
+    p.add_argument("--png", help="write the plot here (default: no plot)")
     p.add_argument("--markdown", help="write the tables as markdown here")
     p.add_argument("--json", help="write all rows as JSON here")
     p.add_argument("--quick", action="store_true",
@@ -337,7 +337,7 @@ def main(argv=None):
     if args.quick:
         print("(--quick: small rotations and few reps; indicative only)")
 
-    if args.png and args.png.lower() != "none":
+    if args.png:
         plot(args.png, cold.rows, threads, formats, bw, gammas, cold_isa, " (--quick)" if args.quick else "")
     meta = dict(env=env, args=vars(args), read_bw={k: v["gbps"] for k, v in bw.items()}, cold_isa=cold_isa)
     common.write_outputs([gtab, cold], json_path=args.json, md_path=args.markdown, meta=meta, notes=notes)
