@@ -84,7 +84,7 @@ ulb_store_fn ulb_store_for_isa(ulb_isa isa) {
     if (isa == ULB_ISA_AVX512) return ulb_store_rows_avx512;
 #endif
     (void)isa;
-    return ulb_store_rows_ref; /* AVX2: its kernels are compute-bound, the scalar step costs them nothing */
+    return ulb_store_rows_ref; /* AVX2 too: no AVX2 step written or measured yet */
 }
 
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
