@@ -15,11 +15,11 @@
 
 /* How far ahead of the tile it reads a microkernel prefetches the code stream
  * into L2, per code width. Measured with a 1-thread cold GEMV on Zen 4
- * (benchmarks/c/prefetch_sweep.sh): 1-bit kernels, which spend more
- * instructions per byte, need it (table-free kernel ~68% -> ~81% of a plain
- * read loop with 8-32 KiB, lookup kernel 50% -> 86-91%); the 2-bit kernel
- * streams best on the hardware prefetcher alone (~88%, ~78% with a software
- * prefetch). 2-4 KiB ahead hurts both. 0 = off. */
+ * (benchmarks/c/prefetch_sweep.sh, each distance against these defaults in
+ * one process): the 1-bit lookup kernel, which spends more instructions per
+ * byte, needs it (none: 0.66x the speed at 16 KiB; 8 KiB 1.00-1.02x, 32 KiB
+ * 0.98x); the 2-bit kernel streams best on the hardware prefetcher alone
+ * (16 KiB ahead: 0.92-0.95x). 2-4 KiB ahead hurts both. 0 = off. */
 #ifndef ULB_PREFETCH_1BIT
 #define ULB_PREFETCH_1BIT 16384
 #endif
