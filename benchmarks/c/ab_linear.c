@@ -23,12 +23,9 @@ ULB_AB_DECLARE(A_)
 ULB_AB_DECLARE(B_)
 
 int main(int argc, char **argv) {
-    const int64_t M = argc > 1 ? atoll(argv[1]) : 2048, K = argc > 2 ? atoll(argv[2]) : 2048;
-    const int fmt = argc > 3 ? atoi(argv[3]) : ULB_FMT_INT2_SYM;
-    const int threads = argc > 4 ? atoi(argv[4]) : 1;
-    int rounds = argc > 5 ? atoi(argv[5]) : 16;
-    if (rounds < 1) rounds = 1;
-    if (rounds > 200) rounds = 200;
+    const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){2048, 2048, ULB_FMT_INT2_SYM, 1, 16});
+    const int64_t M = a.M, K = a.K;
+    const int fmt = a.format, threads = a.threads, rounds = a.rounds;
     const ulb_format_info *fi = A_ulb_format_get(fmt);
     const int64_t nbytes = A_ulb_packed_nbytes(fmt, M, K, 0);
     if (!fi || nbytes < 0 || nbytes != B_ulb_packed_nbytes(fmt, M, K, 0)) {
@@ -50,7 +47,7 @@ int main(int argc, char **argv) {
     ulb_status sb = B_ulb_linear(blobs[0], nbytes, 1, x, dt, K, 1, NULL, dt, yb, dt, M, threads);
     if (sa != ULB_OK || sb != ULB_OK) return 2;
     const int same = !memcmp(ya, yb, M * esize);
-    static double t[3][201];
+    static double t[3][BENCH_MAX_ROUNDS + 1];
     for (int r = 0; r <= rounds; r++) /* round 0 warms up */
         for (int j = 0; j < 3; j++) {
             const int c = (r + j) % 3; /* each round starts one candidate later */
@@ -63,7 +60,7 @@ int main(int argc, char **argv) {
             }
             t[c][r] = bench_now_s() - t0;
         }
-    double pa[200], pb[200], ba[200];
+    double pa[BENCH_MAX_ROUNDS], pb[BENCH_MAX_ROUNDS], ba[BENCH_MAX_ROUNDS];
     for (int r = 0; r < rounds; r++) {
         pa[r] = t[0][r + 1] / t[1][r + 1];
         pb[r] = t[0][r + 1] / t[2][r + 1];

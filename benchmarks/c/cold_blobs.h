@@ -26,6 +26,26 @@ static inline double bench_median(double *v, int n) {
     return v[n / 2];
 }
 
+/* The command line every cold tool takes: [M K format threads rounds]. */
+typedef struct {
+    int64_t M, K;
+    int format, threads, rounds;
+} bench_shape;
+
+#define BENCH_MAX_ROUNDS 200
+
+/* Fills what argv gives over the defaults in d; rounds kept in [1, BENCH_MAX_ROUNDS]. */
+static inline bench_shape bench_parse_shape(int argc, char **argv, bench_shape d) {
+    if (argc > 1) d.M = atoll(argv[1]);
+    if (argc > 2) d.K = atoll(argv[2]);
+    if (argc > 3) d.format = atoi(argv[3]);
+    if (argc > 4) d.threads = atoi(argv[4]);
+    if (argc > 5) d.rounds = atoi(argv[5]);
+    if (d.rounds < 1) d.rounds = 1;
+    if (d.rounds > BENCH_MAX_ROUNDS) d.rounds = BENCH_MAX_ROUNDS;
+    return d;
+}
+
 typedef ulb_status (*bench_pack_fn)(int format, int64_t M, int64_t K, int64_t group_size, const uint8_t *codes,
                                     int64_t ldc, const float *scales, uint8_t *out, int64_t out_bytes);
 

@@ -9,10 +9,9 @@
 #include "cold_blobs.h"
 
 int main(int argc, char **argv) {
-    const int64_t M = argc > 1 ? atoll(argv[1]) : 14336, K = argc > 2 ? atoll(argv[2]) : 4096;
-    const int fmt = argc > 3 ? atoi(argv[3]) : ULB_FMT_INT2_SYM;
-    const int threads = argc > 4 ? atoi(argv[4]) : 1;
-    const int rounds = argc > 5 ? atoi(argv[5]) : 8;
+    const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){14336, 4096, ULB_FMT_INT2_SYM, 1, 8});
+    const int64_t M = a.M, K = a.K;
+    const int fmt = a.format, threads = a.threads, rounds = a.rounds;
     const ulb_format_info *fi = ulb_format_get(fmt);
     const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
     if (!fi || nbytes < 0) {

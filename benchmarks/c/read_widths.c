@@ -58,12 +58,9 @@ __attribute__((target("avx512f"))) static void read64_touch(const uint8_t *p, in
 enum { PROBE, R16, R32, R64, R64T, GEMV, NCAND };
 
 int main(int argc, char **argv) {
-    const int64_t M = argc > 1 ? atoll(argv[1]) : 4096, K = argc > 2 ? atoll(argv[2]) : 4096;
-    const int fmt = argc > 3 ? atoi(argv[3]) : ULB_FMT_INT2_SYM;
-    const int threads = argc > 4 ? atoi(argv[4]) : 1;
-    int rounds = argc > 5 ? atoi(argv[5]) : 15;
-    if (rounds < 1) rounds = 1;
-    if (rounds > 200) rounds = 200;
+    const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){4096, 4096, ULB_FMT_INT2_SYM, 1, 15});
+    const int64_t M = a.M, K = a.K;
+    const int fmt = a.format, threads = a.threads, rounds = a.rounds;
     const ulb_format_info *fi = ulb_format_get(fmt);
     const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
     if (!fi || nbytes < 0) {
@@ -71,17 +68,19 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int have512 = __builtin_cpu_supports("avx512f"), have256 = __builtin_cpu_supports("avx2");
+    int runs[NCAND];
+    for (int c = 0; c < NCAND; c++) runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : 1;
     int n;
     uint8_t **blobs = bench_cold_blobs(ulb_pack, fmt, fi->max_code, M, K, nbytes, &n);
     if (!blobs) return 2;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};
-    double t[NCAND][201];
+    double t[NCAND][BENCH_MAX_ROUNDS + 1];
     for (int r = 0; r <= rounds; r++) /* round 0 warms up */
         for (int j = 0; j < NCAND; j++) {
             const int c = (r + j) % NCAND; /* each round starts one candidate later */
-            if ((c == R32 && !have256) || ((c == R64 || c == R64T) && !have512)) continue;
+            if (!runs[c]) continue;
             uint64_t checksum;
             const double t0 = bench_now_s();
             for (int i = 0; i < n; i++) {
@@ -102,8 +101,8 @@ int main(int argc, char **argv) {
     printf("%s M=%ld K=%ld, probe and GEMV on %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
            (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()), rounds, n, nbytes / 1048576.0);
     for (int c = 0; c < NCAND; c++) {
-        if ((c == R32 && !have256) || ((c == R64 || c == R64T) && !have512)) continue;
-        double ratio[200], total = 0;
+        if (!runs[c]) continue;
+        double ratio[BENCH_MAX_ROUNDS], total = 0;
         for (int r = 1; r <= rounds; r++) {
             ratio[r - 1] = t[PROBE][r] / t[c][r];
             total += t[c][r];
