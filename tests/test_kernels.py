@@ -295,6 +295,32 @@ def test_quantize_act_matches_reference_bitwise(gen):
             assert torch.equal(xscale, s.squeeze(-1)), f"K={K} {xin.dtype}: xscale"
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_quantize_act_isa_matches_scalar(gen, isa):
+    """xq, xscale and the group sums of every ISA equal the scalar path's bit
+    for bit: odd K and groups, fp32 and bf16, strided rows, and rows that
+    are zero, tiny, huge, or hold NaN or an infinity (which zero the row)."""
+    for K, gs in ((1, 0), (15, 32), (17, 32), (33, 64), (257, 128), (1000, 0), (2053, 256)):
+        blob = _blob(gen, "int2_sym", 5, K, gs)
+        x = torch.randn(10, K, generator=gen) * torch.logspace(-6, 6, 10)[:, None]
+        x[1] = 0
+        x[2] *= 1e-38  # subnormal products
+        x[3, K // 2] = float("nan")
+        x[4, K - 1] = float("inf")
+        x[5, 0] = -float("inf")
+        x[6] = x[6].round()  # exact halves after scaling are likelier
+        for xin in (x, x.to(torch.bfloat16), x.t().contiguous().t()):
+            with runtime.use_isa("scalar"):
+                want = torch.ops.ulb.quantize_act(xin, blob)
+            with runtime.use_isa(isa):
+                got = torch.ops.ulb.quantize_act(xin, blob)
+            for name, a, b in zip(("xq", "xscale", "xsum"), got, want):
+                assert torch.equal(a, b) or (name == "xscale" and torch.equal(a.isnan(), b.isnan())
+                                             and torch.equal(a.nan_to_num(), b.nan_to_num())), \
+                    f"{isa} K={K} gs={gs} {xin.dtype} stride={xin.stride()}: {name}"
+            assert got[1][3:6].isnan().all() and not got[0][3:6].any() and not got[2][3:6].any()
+
+
 def test_quantize_act_documented_rule(gen):
     """The rule of ulb.h in exact fp32 arithmetic (true division), padding
     zero, xsum the group sums of xq."""

@@ -33,8 +33,19 @@ static float quant_row_strided(const void *x, ulb_dtype dt, int64_t K, int64_t i
     return inv;
 }
 
-float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int8_t *q) {
-    return quant_row_strided(x, dt, K, 1, q);
+void ulb_group_sums_ref(const int8_t *q, int64_t K, int64_t group, int32_t *xsum) {
+    for (int64_t g0 = 0; g0 < K; g0 += group) {
+        const int64_t g1 = g0 + group < K ? g0 + group : K;
+        int32_t s = 0;
+        for (int64_t k = g0; k < g1; k++) s += q[k];
+        *xsum++ = s;
+    }
+}
+
+float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum) {
+    const float inv = quant_row_strided(x, dt, K, 1, q);
+    if (!isnan(inv)) ulb_group_sums_ref(q, K, group, xsum);
+    return inv;
 }
 
 ulb_status ulb_quantize_act(int64_t N, int64_t K, int64_t K_pad, int64_t group_size,
@@ -45,20 +56,26 @@ ulb_status ulb_quantize_act(int64_t N, int64_t K, int64_t K_pad, int64_t group_s
     const ulb_quant_row_fn quant_row = ulb_quant_row_for_isa(ulb_isa_active());
     const size_t esize = dt == ULB_DT_F32 ? 4 : 2;
     const int64_t n_groups = (K_pad + group_size - 1) / group_size;
+    const int64_t row_groups = (K + group_size - 1) / group_size; /* the rest cover only padding */
     for (int64_t n = 0; n < N; n++) {
         const void *row = (const char *)x + (size_t)(n * ldx) * esize;
         int8_t *q = xq + n * K_pad;
-        const float inv = incx == 1 ? quant_row(row, dt, K, q) : quant_row_strided(row, dt, K, incx, q);
-        /* A row with NaN or infinity gives a NaN output row, as F.linear would. */
-        if (isnan(inv)) memset(q, 0, (size_t)K);
-        memset(q + K, 0, (size_t)(K_pad - K));
-        xscale[n] = isnan(inv) ? NAN : 1.0f / inv;
-        for (int64_t g = 0; g < n_groups; g++) {
-            const int64_t k1 = (g + 1) * group_size < K_pad ? (g + 1) * group_size : K_pad;
-            int32_t s = 0;
-            for (int64_t k = g * group_size; k < k1; k++) s += q[k];
-            xsum[n * n_groups + g] = s;
+        int32_t *s = xsum + n * n_groups;
+        float inv;
+        if (incx == 1) {
+            inv = quant_row(row, dt, K, group_size, q, s);
+        } else {
+            inv = quant_row_strided(row, dt, K, incx, q);
+            if (!isnan(inv)) ulb_group_sums_ref(q, K, group_size, s);
         }
+        /* A row with NaN or infinity gives a NaN output row, as F.linear would. */
+        if (isnan(inv)) {
+            memset(q, 0, (size_t)K);
+            memset(s, 0, (size_t)row_groups * sizeof *s);
+        }
+        memset(q + K, 0, (size_t)(K_pad - K));
+        memset(s + row_groups, 0, (size_t)(n_groups - row_groups) * sizeof *s);
+        xscale[n] = isnan(inv) ? NAN : 1.0f / inv;
     }
     return ULB_OK;
 }

@@ -65,9 +65,10 @@ typedef struct {
     int64_t ldy;
 } ulb_out;
 
-/* The output step of one panel, identical for every ISA: for j < nb, r < rows,
+/* The output step, identical for every ISA: for j < nb, r < rows,
  *   y[n0+j, m0+r] = (facc[j*64 + r] * xscale[n0+j]) (+ bias[m0+r])
- * in fp32, multiply then add, rounded once to y_dt (nearest even). */
+ * in fp32, multiply then add, rounded once to y_dt (nearest even). rows <= 64
+ * (one panel) unless nb == 1. */
 typedef void (*ulb_store_fn)(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 
 void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
@@ -80,13 +81,16 @@ void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 
-/* Quantise one contiguous activation row to int8; returns inv = 127/absmax
- * (NaN if the row is not finite). Every ISA gives the same bits. */
-typedef float (*ulb_quant_row_fn)(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
-float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
-float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
-float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int8_t *q);
+/* Quantise one contiguous activation row to int8 and sum it per group:
+ * q[k] for k < K, xsum[g] = sum of q over [g*group, min((g+1)*group, K)) for
+ * g < ceil(K / group). Returns inv = 127/absmax, or NaN (q and xsum
+ * untouched) if the row is not finite. Every ISA gives the same bits. */
+typedef float (*ulb_quant_row_fn)(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
+float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
+float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
+float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 void ulb_quant_tail_ref(const void *x, ulb_dtype dt, int64_t k0, int64_t K, float inv, int8_t *q);
+void ulb_group_sums_ref(const int8_t *q, int64_t K, int64_t group, int32_t *xsum);
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of

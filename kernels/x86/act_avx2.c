@@ -1,5 +1,6 @@
 /* AVX2 per-token int8 quantisation of one contiguous row; bit-identical to
- * ulb_quant_row_ref. The last K % 8 elements go through the reference. */
+ * ulb_quant_row_ref. The last K % 8 elements and the group sums go through
+ * the reference. */
 #pragma GCC target("avx2")
 #include <immintrin.h>
 #include <math.h>
@@ -13,7 +14,7 @@ static inline __m256 load8(const void *x, ulb_dtype dt, int64_t k) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int8_t *q) {
+float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum) {
     const int64_t K8 = K / 8 * 8;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -44,5 +45,6 @@ float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int8_t *q) {
         _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(i16, i16));
     }
     ulb_quant_tail_ref(x, dt, K8, K, inv, q);
+    ulb_group_sums_ref(q, K, group, xsum);
     return inv;
 }

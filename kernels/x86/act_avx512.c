@@ -1,10 +1,50 @@
-/* AVX-512 per-token int8 quantisation of one contiguous row; bit-identical
- * to ulb_quant_row_ref (same fp32 multiply, round-to-nearest-even, clamp). */
+/* AVX-512 per-token int8 quantisation of one contiguous row, with the group
+ * sums of the result; bit-identical to ulb_quant_row_ref. */
 #pragma GCC target("avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "../src/internal.h"
+
+static inline __mmask16 tail_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __mmask32 tail_mask32(int64_t left) {
+    return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+}
+
+/* max |x| as an fp32 bit pattern, found on the integer bits: for
+ * non-negative floats integer order is numeric order, and every Inf or NaN
+ * pattern lies above every finite one, so one compare per element serves the
+ * maximum and the finiteness check, with no conversion. */
+static uint32_t absmax_bits(const void *x, ulb_dtype dt, int64_t K) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    int64_t k = 0;
+    if (dt == ULB_DT_F32) {
+        const float *p = x;
+        const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+        for (; k + 32 <= K; k += 32) {
+            a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs));
+            a1 = _mm512_max_epu32(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 16), abs));
+        }
+        for (; k < K; k += 16)
+            a0 = _mm512_max_epu32(a0, _mm512_and_si512(_mm512_maskz_loadu_epi32(tail_mask16(K - k), p + k), abs));
+        return _mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1));
+    }
+    const uint16_t *p = x;
+    const __m512i abs = _mm512_set1_epi16(0x7fff);
+    for (; k + 64 <= K; k += 64) {
+        a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_loadu_si512(p + k), abs));
+        a1 = _mm512_max_epu16(a1, _mm512_and_si512(_mm512_loadu_si512(p + k + 32), abs));
+    }
+    for (; k < K; k += 32)
+        a0 = _mm512_max_epu16(a0, _mm512_and_si512(_mm512_maskz_loadu_epi16(tail_mask32(K - k), p + k), abs));
+    const __m512i a = _mm512_max_epu16(a0, a1);
+    const __m512i a32 = _mm512_max_epu32(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(a, 16));
+    return _mm512_reduce_max_epu32(a32) << 16;
+}
 
 static inline __m512 load16(const void *x, ulb_dtype dt, int64_t k, __mmask16 m) {
     if (dt == ULB_DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
@@ -12,29 +52,31 @@ static inline __m512 load16(const void *x, ulb_dtype dt, int64_t k, __mmask16 m)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
-float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int8_t *q) {
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = tail_mask(K - k);
-        const __m512 v = load16(x, dt, k, m);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-    }
-    const float a = _mm512_reduce_max_ps(amax);
-    if (nan || !isfinite(a)) return NAN;
-    const float inv = 127.0f / fmaxf(a, 1e-5f);
-    const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
-    for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = tail_mask(K - k);
-        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(x, dt, k, m), vinv),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-        _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_cvtps_epi32(r));
+float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum) {
+    const uint32_t bits = absmax_bits(x, dt, K);
+    if (bits >= 0x7f800000u) return NAN;
+    float amax;
+    memcpy(&amax, &bits, sizeof amax);
+    const float inv = 127.0f / fmaxf(amax, 1e-5f);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t g0 = 0; g0 < K; g0 += group) {
+        const int64_t g1 = g0 + group < K ? g0 + group : K;
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = g0; k < g1; k += 16) {
+            const __mmask16 m = tail_mask16(g1 - k);
+            /* |x * inv| <= 127 (1 + 2^-23), so rounding to nearest even lands
+             * in [-127, 127]: the reference's clamp never bites, and the
+             * saturating narrow below stands in for it. */
+            const __m512i r = _mm512_cvt_roundps_epi32(_mm512_mul_ps(load16(x, dt, k, m), vinv),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            sum = _mm512_add_epi32(sum, r);
+            const __m128i b = _mm512_cvtsepi32_epi8(r);
+            if (m == 0xffff)
+                _mm_storeu_si128((__m128i *)(q + k), b);
+            else
+                _mm_mask_storeu_epi8(q + k, m, b);
+        }
+        *xsum++ = _mm512_reduce_add_epi32(sum);
     }
     return inv;
 }
