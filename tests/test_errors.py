@@ -75,11 +75,11 @@ def test_packed_not_a_blob(blob, x):
         ops.unpack(blob.view(1, -1))
 
 
-@pytest.mark.parametrize("offset,value,what", [(0, 0x00, "magic"), (4, 0x02, "version"),
+@pytest.mark.parametrize("offset,value,what", [(0, 0x00, "magic"), (4, 0x03, "version"),
                                                (6, 0x09, "format id"), (6, 0x04, "format of another size"),
                                                (8, 0x20, "M"), (16, 0x50, "K"), (24, 0x20, "group size"),
                                                (32, 0x02, "n_groups"), (40, 0x20, "M_pad"),
-                                               (48, 0x50, "K_pad"), (56, 0x00, "scales offset")])
+                                               (48, 0x50, "K_pad"), (56, 0x00, "panels bytes")])
 def test_corrupt_header(blob, x, offset, value, what):
     bad = blob.clone()
     assert bad[offset] != value
@@ -88,6 +88,17 @@ def test_corrupt_header(blob, x, offset, value, what):
         torch.ops.ulb.linear(x, bad, None, M)
     with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
         ops.packed_info(bad)
+
+
+def test_blob_of_older_layout_version(blob, x):
+    """A version-1 blob (scales after all codes) is named as such, not
+    misread and not called corrupt."""
+    old = blob.clone()
+    old[4] = 1
+    for call in (lambda: torch.ops.ulb.linear(x, old, None, M), lambda: ops.packed_info(old),
+                 lambda: ops.unpack(old)):
+        with pytest.raises(RuntimeError, match="older ulbtorch .blob layout version 1.; pack it again"):
+            call()
 
 
 def test_int_dots_and_quantize_act_shapes(blob):
@@ -287,10 +298,11 @@ FUZZ = textwrap.dedent("""
                     accepted += 1
                 except RuntimeError as e:
                     assert "ulb." in str(e), e
-        # Any bytes in the code area are some codes: never an error or a crash.
+        # Any bytes in the panel area are some codes and scales (perhaps NaN):
+        # never an error or a crash.
         bad = blob.clone()
-        scales_offset = int(blob[56:64].view(torch.int64))
-        bad[64:scales_offset] = torch.randint(0, 256, (scales_offset - 64,), generator=g, dtype=torch.uint8)
+        panels_bytes = int(blob[56:64].view(torch.int64))
+        bad[64:64 + panels_bytes] = torch.randint(0, 256, (panels_bytes,), generator=g, dtype=torch.uint8)
         torch.ops.ulb.linear(x, bad, None, 40)
         torch.ops.ulb.int_dots(bad, *torch.ops.ulb.quantize_act(x, bad)[::2])
         assert accepted > 0

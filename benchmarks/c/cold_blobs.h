@@ -50,29 +50,39 @@ typedef ulb_status (*bench_pack_fn)(int format, int64_t M, int64_t K, int64_t gr
                                     int64_t ldc, const float *scales, uint8_t *out, int64_t out_bytes);
 
 /* One random M x K matrix of `format` (codes 0..max_code, per-channel
- * scales) packed by `pack`, then copied into separate allocations until they
- * hold ~600 MiB (at least 4 copies): by the time a copy comes round again the
- * others have pushed it out of every cache. Sets *count; NULL on failure. */
-static inline uint8_t **bench_cold_blobs(bench_pack_fn pack, int format, int max_code, int64_t M, int64_t K,
-                                         int64_t nbytes, int *count) {
-    int n = (int)((600LL << 20) / nbytes);
+ * scales), packed by each of nvar packers (two builds of the library may
+ * lay blobs out differently), then copied until each variant holds ~600 MiB
+ * (at least 4 copies): by the time a copy comes round again the others have
+ * pushed it out of every cache. All copies share one allocation, the
+ * variants' copies alternating, so that every variant streams from the same
+ * kind of memory: on the VM of benchmarks/results, blobs that glibc served
+ * from separate mmaps read 7-14% slower than blobs from its heap. Fills
+ * blobs[v][i] for i < *count; returns 0, or -1 on failure. */
+static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const int64_t *nbytes, int format,
+                                   int max_code, int64_t M, int64_t K, uint8_t ***blobs, int *count) {
+    int64_t stride = 0;
+    for (int v = 0; v < nvar; v++) stride += (nbytes[v] + 63) / 64 * 64;
+    int n = (int)((600LL << 20) * nvar / stride);
     if (n < 4) n = 4;
-    uint8_t *codes = malloc((size_t)(M * K));
+    uint8_t *codes = malloc((size_t)(M * K)), *arena = aligned_alloc(64, (size_t)(stride * n));
     float *scales = malloc((size_t)M * sizeof(float));
-    uint8_t **blobs = calloc((size_t)n, sizeof *blobs);
-    if (!codes || !scales || !blobs) return NULL;
+    if (!codes || !scales || !arena) return -1;
     for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (max_code + 1));
     for (int64_t i = 0; i < M; i++) scales[i] = 0.01f + 0.001f * (float)(i % 7);
-    for (int i = 0; i < n; i++) {
-        blobs[i] = aligned_alloc(64, (size_t)((nbytes + 63) / 64 * 64));
-        if (!blobs[i]) return NULL;
-        if (i > 0) memcpy(blobs[i], blobs[0], (size_t)nbytes);
-        else if (pack(format, M, K, 0, codes, K, scales, blobs[0], nbytes) != ULB_OK) return NULL;
+    for (int v = 0, off = 0; v < nvar; v++) {
+        if (!(blobs[v] = calloc((size_t)n, sizeof **blobs))) return -1;
+        for (int i = 0; i < n; i++) blobs[v][i] = arena + i * stride + off;
+        if (packs[v](format, M, K, 0, codes, K, scales, blobs[v][0], nbytes[v]) != ULB_OK) return -1;
+        off += (int)((nbytes[v] + 63) / 64 * 64);
     }
+    /* Copy in address order, so that no variant gets the pages the kernel
+     * hands out first. */
+    for (int i = 1; i < n; i++)
+        for (int v = 0; v < nvar; v++) memcpy(blobs[v][i], blobs[v][0], (size_t)nbytes[v]);
     free(codes);
     free(scales);
     *count = n;
-    return blobs;
+    return 0;
 }
 
 #endif

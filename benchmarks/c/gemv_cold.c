@@ -19,8 +19,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     int n;
-    uint8_t **blobs = bench_cold_blobs(ulb_pack, fmt, fi->max_code, M, K, nbytes, &n);
-    if (!blobs) return 2;
+    uint8_t **blobs;
+    const bench_pack_fn pack = ulb_pack;
+    if (bench_cold_blobs(1, &pack, &nbytes, fmt, fi->max_code, M, K, &blobs, &n)) return 2;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     double t_gemv = 0, t_read = 0;

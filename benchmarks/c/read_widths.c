@@ -71,8 +71,9 @@ int main(int argc, char **argv) {
     int runs[NCAND];
     for (int c = 0; c < NCAND; c++) runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : 1;
     int n;
-    uint8_t **blobs = bench_cold_blobs(ulb_pack, fmt, fi->max_code, M, K, nbytes, &n);
-    if (!blobs) return 2;
+    uint8_t **blobs;
+    const bench_pack_fn pack = ulb_pack;
+    if (bench_cold_blobs(1, &pack, &nbytes, fmt, fi->max_code, M, K, &blobs, &n)) return 2;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};

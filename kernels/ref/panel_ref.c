@@ -6,6 +6,7 @@
 void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                    int64_t n0, int nb, float *facc, int32_t *dots) {
     const int64_t gs = w->gsteps * ulb_tile_k(w->bits);
+    const ulb_layout L = ulb_weight_layout(w);
     for (int j = 0; j < nb; j++) {
         const int8_t *x = a->xq + (n0 + j) * a->ldq;
         const int32_t *xsum = a->xsum + (n0 + j) * w->n_groups;
@@ -16,10 +17,10 @@ void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_act
                 const int64_t k1 = (g + 1) * gs < w->K_pad ? (g + 1) * gs : w->K_pad;
                 int32_t qx = 0;
                 for (int64_t k = g * gs; k < k1; k++)
-                    qx += (int32_t)ulb_code_get(w->codes, w->bits, w->M_pad, w->K_pad, m, k) * x[k];
+                    qx += (int32_t)ulb_code_get(w->panels, &L, m, k) * x[k];
                 /* sum_k (a q_k + b) x_k = a sum q x + b sum x */
                 const int32_t dot = w->level_a * qx + w->level_b * xsum[g];
-                const float term = w->scales[g * w->M_pad + m] * (float)dot;
+                const float term = ulb_scale_get(w->panels, &L, m, g) * (float)dot;
                 f = f + term;
                 if (dots) dots[(j * w->n_groups + g) * ULB_PANEL_ROWS + r] = dot;
             }

@@ -1,4 +1,5 @@
-/* Formats, the packed blob (header + codes + scales), packing and unpacking. */
+/* Formats, the packed blob (header, panels of scales and codes, padding),
+ * packing and unpacking. */
 #include <math.h>
 #include <string.h>
 
@@ -29,6 +30,8 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_ERR_NOMEM: return "out of memory";
     case ULB_ERR_THREADS: return "invalid thread count";
     case ULB_ERR_SCALE: return "scale is NaN or infinite";
+    case ULB_ERR_BLOB_VERSION:
+        return "packed weight made by an older ulbtorch (blob layout version 1); pack it again with this version";
     }
     return "unknown error";
 }
@@ -39,8 +42,12 @@ const char *ulb_status_str(ulb_status s) {
 #define ULB_MAX_M (1LL << 26)
 
 typedef struct {
-    int64_t group_size, n_groups, M_pad, K_pad, codes_bytes, scales_offset, total;
+    int64_t group_size, n_groups, M_pad, K_pad, panels_bytes, total;
+    ulb_layout layout;
 } blob_geometry;
+
+/* After the panels: one line a kernel may read past its last tile. */
+#define ULB_TAIL_BYTES 64
 
 static ulb_status geometry(int format, int64_t M, int64_t K, int64_t group_size,
                            blob_geometry *g) {
@@ -56,9 +63,10 @@ static ulb_status geometry(int format, int64_t M, int64_t K, int64_t group_size,
         g->group_size = group_size;
     }
     g->n_groups = (g->K_pad + g->group_size - 1) / g->group_size;
-    g->codes_bytes = (g->M_pad / ULB_TILE) * (g->K_pad / ulb_tile_k(fi->bits)) * ULB_TILE_BYTES;
-    g->scales_offset = ULB_HEADER_BYTES + ulb_round_up(g->codes_bytes, 64);
-    g->total = g->scales_offset + g->n_groups * g->M_pad * (int64_t)sizeof(float);
+    const int64_t ksteps = g->K_pad / ulb_tile_k(fi->bits);
+    g->layout = (ulb_layout){fi->bits, g->M_pad, ksteps, g->group_size / ulb_tile_k(fi->bits), g->n_groups};
+    g->panels_bytes = (g->M_pad / ULB_TILE) * (g->n_groups * ULB_TILE_SCALE_BYTES + ksteps * ULB_TILE_BYTES);
+    g->total = ULB_HEADER_BYTES + g->panels_bytes + ULB_TAIL_BYTES;
     return ULB_OK;
 }
 
@@ -85,21 +93,20 @@ ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
 
     memset(blob, 0, (size_t)nbytes);
     ulb_header h = {ULB_MAGIC, ULB_BLOB_VERSION, (uint16_t)format, M, K, g.group_size,
-                    g.n_groups, g.M_pad, g.K_pad, g.scales_offset};
+                    g.n_groups, g.M_pad, g.K_pad, g.panels_bytes};
     memcpy(blob, &h, sizeof h);
 
-    uint8_t *area = blob + ULB_HEADER_BYTES;
-    for (int64_t m = 0; m < M; m++)
+    uint8_t *panels = blob + ULB_HEADER_BYTES;
+    for (int64_t m = 0; m < M; m++) {
         for (int64_t k = 0; k < K; k++) {
             int64_t byte;
             int shift;
-            ulb_code_pos(fi->bits, g.M_pad, g.K_pad, m, k, &byte, &shift);
-            area[byte] |= (uint8_t)(codes[m * ldc + k] << shift);
+            ulb_code_pos(&g.layout, m, k, &byte, &shift);
+            panels[byte] |= (uint8_t)(codes[m * ldc + k] << shift);
         }
-    float *sc = (float *)(blob + g.scales_offset);
-    for (int64_t m = 0; m < M; m++)
         for (int64_t gi = 0; gi < g.n_groups; gi++)
-            sc[gi * g.M_pad + m] = scales[m * g.n_groups + gi];
+            memcpy(panels + ulb_scale_pos(&g.layout, m, gi), &scales[m * g.n_groups + gi], sizeof(float));
+    }
     return ULB_OK;
 }
 
@@ -107,12 +114,14 @@ ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out)
     if (!blob || nbytes < ULB_HEADER_BYTES) return ULB_ERR_BLOB;
     ulb_header h;
     memcpy(&h, blob, sizeof h);
-    if (h.magic != ULB_MAGIC || h.version != ULB_BLOB_VERSION) return ULB_ERR_BLOB;
+    if (h.magic != ULB_MAGIC) return ULB_ERR_BLOB;
+    if (h.version == 1) return ULB_ERR_BLOB_VERSION;
+    if (h.version != ULB_BLOB_VERSION) return ULB_ERR_BLOB;
     blob_geometry g;
     const int64_t gs_arg = h.group_size >= h.K_pad ? 0 : h.group_size;
     if (geometry(h.format, h.M, h.K, gs_arg, &g) != ULB_OK) return ULB_ERR_BLOB;
     if (g.group_size != h.group_size || g.n_groups != h.n_groups || g.M_pad != h.M_pad ||
-        g.K_pad != h.K_pad || g.scales_offset != h.scales_offset || g.total != nbytes)
+        g.K_pad != h.K_pad || g.panels_bytes != h.panels_bytes || g.total != nbytes)
         return ULB_ERR_BLOB;
     *out = h;
     return ULB_OK;
@@ -133,8 +142,7 @@ ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
     w->n_groups = h.n_groups;
     w->ksteps = h.K_pad / ulb_tile_k(fi->bits);
     w->gsteps = h.group_size / ulb_tile_k(fi->bits);
-    w->codes = blob + ULB_HEADER_BYTES;
-    w->scales = (const float *)(blob + h.scales_offset);
+    w->panels = blob + ULB_HEADER_BYTES;
     return ULB_OK;
 }
 
@@ -142,11 +150,12 @@ ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float
     ulb_weight w;
     ulb_status st = ulb_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
+    const ulb_layout L = ulb_weight_layout(&w);
     for (int64_t m = 0; m < w.M; m++) {
         for (int64_t k = 0; k < w.K; k++)
-            codes[m * w.K + k] = (uint8_t)ulb_code_get(w.codes, w.bits, w.M_pad, w.K_pad, m, k);
+            codes[m * w.K + k] = (uint8_t)ulb_code_get(w.panels, &L, m, k);
         for (int64_t g = 0; g < w.n_groups; g++)
-            scales[m * w.n_groups + g] = w.scales[g * w.M_pad + m];
+            scales[m * w.n_groups + g] = ulb_scale_get(w.panels, &L, m, g);
     }
     return ULB_OK;
 }

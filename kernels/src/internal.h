@@ -33,9 +33,17 @@ typedef struct {
     int64_t M, K, M_pad, K_pad, n_groups;
     int64_t ksteps; /* K_pad / ulb_tile_k(bits) */
     int64_t gsteps; /* group_size / ulb_tile_k(bits) */
-    const uint8_t *codes;
-    const float *scales; /* n_groups x M_pad */
+    const uint8_t *panels; /* scales and codes, layout.h */
 } ulb_weight;
+
+static inline ulb_layout ulb_weight_layout(const ulb_weight *w) {
+    return (ulb_layout){w->bits, w->M_pad, w->ksteps, w->gsteps, w->n_groups};
+}
+
+/* Group g of panel p (nt tiles): its scales, nt x 16 fp32, then its codes. */
+static inline const uint8_t *ulb_group_base(const ulb_weight *w, int64_t p, int nt, int64_t g) {
+    return w->panels + ulb_panel_offset(w->ksteps, w->n_groups, p) + ulb_group_offset(nt, w->gsteps, g);
+}
 
 typedef struct {
     const int8_t *xq;    /* N x ldq, zero padded to K_pad */
@@ -95,11 +103,12 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of
  * ULB_LUT1_STEP_BYTES per 32 columns, built once per call; AVX-512 VBMI only,
- * and off with ULB_LUT1=0 in the environment at load. */
+ * and off with ULB_LUT1=0 in the environment at load. ulb_lut1_group_avx512
+ * sums k-steps [ks0, ks1) of one group whose codes start at `codes`. */
 #define ULB_LUT1_STEP_BYTES 256
 int ulb_lut1_supported(ulb_isa isa);
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);
-void ulb_lut1_group_avx512(const uint8_t *base, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
+void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
                            int32_t *acc);
 
 /* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */

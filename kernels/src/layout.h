@@ -1,5 +1,5 @@
-/* The packed code layout, shared by pack/unpack, the scalar reference and
- * (implicitly) every SIMD kernel.
+/* The packed layout of codes and scales, shared by pack/unpack, the scalar
+ * reference and (through the offsets below) every SIMD kernel.
  *
  * A tile is one 64-byte vector holding 16 rows x (32 / bits) columns: byte
  * 4*l + b holds, in field j (bits j*bits .. j*bits + bits - 1), the code of
@@ -10,9 +10,13 @@
  *
  * Rows are padded to 16 and K to the tile width. Rows are grouped in panels
  * of 64 (4 tiles; the last panel may hold fewer), and each panel is one
- * contiguous stream over K: [panel][k-step][tile][64 bytes]. One stream per
- * panel matters: a core reading four interleaved streams loses ~35% of its
- * DRAM bandwidth to the prefetcher on this machine. */
+ * contiguous stream over K, group after group; a group is its scales (fp32,
+ * one per row of the panel) followed by its codes:
+ *   [panel][group][scales: nt x 16 fp32 | codes: k-step][tile][64 bytes]
+ * so a kernel reads every byte it needs in address order. One stream per
+ * core matters: on the Zen 4 of benchmarks/results a core reading four
+ * interleaved streams loses ~35% of its DRAM bandwidth to the prefetcher,
+ * and the scales kept apart (blob version 1) cost a one-thread GEMV 3-6%. */
 #ifndef ULB_LAYOUT_H
 #define ULB_LAYOUT_H
 
@@ -20,6 +24,7 @@
 
 #define ULB_TILE 16 /* rows per tile */
 #define ULB_TILE_BYTES 64
+#define ULB_TILE_SCALE_BYTES (ULB_TILE * 4) /* the fp32 scales of one tile's rows in one group */
 #define ULB_PANEL_TILES 4
 
 static inline int64_t ulb_round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -33,30 +38,61 @@ static inline int ulb_panel_ntiles(int64_t M_pad, int64_t p) {
     return left < ULB_PANEL_TILES ? (int)left : ULB_PANEL_TILES;
 }
 
-/* Byte offset of panel p inside the code area. */
-static inline int64_t ulb_panel_offset(int bits, int64_t K_pad, int64_t p) {
-    return p * (K_pad / ulb_tile_k(bits)) * ULB_PANEL_TILES * ULB_TILE_BYTES;
+/* Bytes of one group of a panel of nt tiles holding gsteps k-steps. */
+static inline int64_t ulb_group_bytes(int nt, int64_t gsteps) {
+    return nt * (ULB_TILE_SCALE_BYTES + gsteps * ULB_TILE_BYTES);
 }
 
-/* Byte offset and bit shift of code (m, k) inside the code area. */
-static inline void ulb_code_pos(int bits, int64_t M_pad, int64_t K_pad, int64_t m, int64_t k,
-                                int64_t *byte, int *shift) {
+/* Byte offset of panel p in the panel area: every earlier panel is full and
+ * holds n_groups scale blocks and ksteps k-steps of 4 tiles. */
+static inline int64_t ulb_panel_offset(int64_t ksteps, int64_t n_groups, int64_t p) {
+    return p * ULB_PANEL_TILES * (n_groups * ULB_TILE_SCALE_BYTES + ksteps * ULB_TILE_BYTES);
+}
+
+/* Byte offset of group g inside a panel of nt tiles: its scales; its codes
+ * follow at + nt * ULB_TILE_SCALE_BYTES. Every earlier group is full. */
+static inline int64_t ulb_group_offset(int nt, int64_t gsteps, int64_t g) {
+    return g * ulb_group_bytes(nt, gsteps);
+}
+
+/* Where (m, k) lives, for a matrix of M_pad rows, ksteps k-steps in groups
+ * of gsteps k-steps (n_groups of them). */
+typedef struct {
+    int bits;
+    int64_t M_pad, ksteps, gsteps, n_groups;
+} ulb_layout;
+
+/* Byte offset of the scale of row m, group g, inside the panel area. */
+static inline int64_t ulb_scale_pos(const ulb_layout *L, int64_t m, int64_t g) {
     const int64_t p = m / (ULB_TILE * ULB_PANEL_TILES);
-    const int64_t t = (m / ULB_TILE) % ULB_PANEL_TILES, l = m % ULB_TILE;
-    const int64_t ks = k / ulb_tile_k(bits), kk = k % ulb_tile_k(bits);
-    const int64_t j = kk / 4, b = kk % 4;
-    const int64_t tile = ulb_panel_offset(bits, K_pad, p) +
-                         (ks * ulb_panel_ntiles(M_pad, p) + t) * ULB_TILE_BYTES;
-    *byte = tile + 4 * l + b;
-    *shift = (int)(bits * j);
+    return ulb_panel_offset(L->ksteps, L->n_groups, p) +
+           ulb_group_offset(ulb_panel_ntiles(L->M_pad, p), L->gsteps, g) + (m % (ULB_TILE * ULB_PANEL_TILES)) * 4;
 }
 
-static inline unsigned ulb_code_get(const uint8_t *codes, int bits, int64_t M_pad,
-                                    int64_t K_pad, int64_t m, int64_t k) {
+/* Byte offset and bit shift of code (m, k) inside the panel area. */
+static inline void ulb_code_pos(const ulb_layout *L, int64_t m, int64_t k, int64_t *byte, int *shift) {
+    const int64_t p = m / (ULB_TILE * ULB_PANEL_TILES);
+    const int nt = ulb_panel_ntiles(L->M_pad, p);
+    const int64_t t = (m / ULB_TILE) % ULB_PANEL_TILES, l = m % ULB_TILE;
+    const int64_t ks = k / ulb_tile_k(L->bits), kk = k % ulb_tile_k(L->bits);
+    const int64_t g = ks / L->gsteps, i = ks % L->gsteps;
+    const int64_t j = kk / 4, b = kk % 4;
+    *byte = ulb_panel_offset(L->ksteps, L->n_groups, p) + ulb_group_offset(nt, L->gsteps, g) +
+            nt * ULB_TILE_SCALE_BYTES + (i * nt + t) * ULB_TILE_BYTES + 4 * l + b;
+    *shift = (int)(L->bits * j);
+}
+
+static inline unsigned ulb_code_get(const uint8_t *panels, const ulb_layout *L, int64_t m, int64_t k) {
     int64_t byte;
     int shift;
-    ulb_code_pos(bits, M_pad, K_pad, m, k, &byte, &shift);
-    return (codes[byte] >> shift) & ((1u << bits) - 1u);
+    ulb_code_pos(L, m, k, &byte, &shift);
+    return (panels[byte] >> shift) & ((1u << L->bits) - 1u);
+}
+
+static inline float ulb_scale_get(const uint8_t *panels, const ulb_layout *L, int64_t m, int64_t g) {
+    float s;
+    __builtin_memcpy(&s, panels + ulb_scale_pos(L, m, g), sizeof s);
+    return s;
 }
 
 #endif

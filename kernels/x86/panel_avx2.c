@@ -24,13 +24,13 @@ ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
     return _mm256_and_si256(f ? _mm256_srli_epi16(v, bits * f) : v, mask);
 }
 
-/* Tiles [t0, t0 + tc) of the panel at `base` (nt tiles per k-step), nb
+/* Tiles [t0, t0 + tc) of panel p (nt tiles per k-step), nb
  * tokens. One token takes all tiles of a k-step at once, reading the panel as
  * the single stream it is; several tokens take one tile at a time so their
  * accumulators stay in the 16 registers. */
-ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, int t0,
+ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
                               const int tc, const ulb_acts *a, int64_t n0, float *facc,
-                              int32_t *dots, int64_t tile0, const int nb, const int bits) {
+                              int32_t *dots, const int nb, const int bits) {
     const int fields = 8 / bits, kt = 32 / bits;
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
@@ -45,6 +45,13 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
         const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        const uint8_t *group = ulb_group_base(w, p, nt, g);
+        const float *scales = (const float *)group;
+        const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
+        /* As far ahead of the scales as the tile loop prefetches ahead of codes. */
+        if (ulb_prefetch_bytes(bits) && t0 == 0)
+            for (int t = 0; t < nt; t++)
+                _mm_prefetch((const char *)group + t * ULB_TILE_SCALE_BYTES + ulb_prefetch_bytes(bits), _MM_HINT_T1);
         __m256i acc[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++)
@@ -55,7 +62,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const uint8_t *half = base + (ks * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
+                    const uint8_t *half = codes + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
                     if (ulb_prefetch_bytes(bits) && h == 0)
                         _mm_prefetch((const char *)half + ulb_prefetch_bytes(bits), _MM_HINT_T1);
                     const __m256i v = _mm256_loadu_si256((const __m256i *)half);
@@ -84,7 +91,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
                 for (int h = 0; h < 2; h++) {
                     const int64_t r = (t0 + t) * ULB_TILE + 8 * h; /* row within the panel */
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][t][h], va), vb);
-                    const __m256 s = _mm256_loadu_ps(w->scales + g * w->M_pad + tile0 * ULB_TILE + r);
+                    const __m256 s = _mm256_loadu_ps(scales + r);
                     out[j][t][h] = _mm256_add_ps(out[j][t][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
                     if (dots)
                         _mm256_storeu_si256(
@@ -103,17 +110,17 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const uint8_t *base, int nt, 
 
 #define ULB_ONE_TOKEN(BITS, NT)                                                                    \
     case NT:                                                                                       \
-        tiles_body(w, base, ntiles, 0, NT, a, n0, facc, dots, tile0, 1, BITS);                     \
+        tiles_body(w, p, ntiles, 0, NT, a, n0, facc, dots, 1, BITS);                               \
         return;
 #define ULB_TOKENS(BITS, NB)                                                                       \
     case NB:                                                                                       \
         for (int t = 0; t < ntiles; t++)                                                           \
-            tiles_body(w, base, ntiles, t, 1, a, n0, facc, dots, tile0, NB, BITS);                 \
+            tiles_body(w, p, ntiles, t, 1, a, n0, facc, dots, NB, BITS);                           \
         return;
 
 static void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                        int64_t n0, int nb, float *facc, int32_t *dots, const int bits) {
-    const uint8_t *base = w->codes + ulb_panel_offset(bits, w->K_pad, tile0 / ULB_PANEL_TILES);
+    const int64_t p = tile0 / ULB_PANEL_TILES;
     if (nb == 1) {
         switch (ntiles) { ULB_ONE_TOKEN(bits, 1) ULB_ONE_TOKEN(bits, 2) ULB_ONE_TOKEN(bits, 3) ULB_ONE_TOKEN(bits, 4) }
     } else {

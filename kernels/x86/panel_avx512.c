@@ -20,8 +20,8 @@ ALWAYS_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t *p) {
  * on Zen 4 (most at K >= 4096, none at K <= 2560; A/B of two builds in one
  * process), as a plain 64-byte-load read loop speeds up from ~87% to ~101%
  * of a 16-byte-load one with it. The 1-bit kernels, with their software
- * prefetch, do not gain. The line touched is the next tile's, always inside
- * the blob: the scales follow the codes. */
+ * prefetch, do not gain. The line touched is the next one in the blob, which
+ * ends with a line of padding for the last tile's touch. */
 ALWAYS_INLINE void touch_line(const uint8_t *p) {
     int64_t unused;
     __asm__ volatile("movq %1, %0" : "=r"(unused) : "m"(*(const int64_t *)p));
@@ -39,7 +39,7 @@ ALWAYS_INLINE __m512i field(__m512i v, int j, const int bits) {
  * (one per scale) give 16 independent vpdpbusd chains for a full panel, and
  * each is scaled back exactly (arithmetic shift of a multiple of its scale)
  * once per group. */
-ALWAYS_INLINE void one_token_group(const uint8_t *base, int64_t ks0, int64_t ks1, const int8_t *x,
+ALWAYS_INLINE void one_token_group(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *x,
                                    __m512i acc[ULB_PANEL_TILES], const int nt, const int bits) {
     const int fields = 8 / bits, kt = 32 / bits;
     __m512i f4[4][ULB_PANEL_TILES];
@@ -49,7 +49,7 @@ ALWAYS_INLINE void one_token_group(const uint8_t *base, int64_t ks0, int64_t ks1
         const int8_t *xk = x + ks * kt;
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            const uint8_t *tile = base + (ks * nt + t) * ULB_TILE_BYTES;
+            const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
             if (ulb_prefetch_bytes(bits)) _mm_prefetch((const char *)tile + ulb_prefetch_bytes(bits), _MM_HINT_T1);
             const __m512i v = _mm512_loadu_si512(tile);
             if (bits == 2) touch_line(tile + ULB_TILE_BYTES);
@@ -71,7 +71,7 @@ ALWAYS_INLINE void one_token_group(const uint8_t *base, int64_t ks0, int64_t ks1
 }
 
 /* Several tokens: each tile's fields are unpacked once and used nb times. */
-ALWAYS_INLINE void tokens_group(const uint8_t *base, int64_t ks0, int64_t ks1, const int8_t *const *x,
+ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
                                 __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb, const int nt,
                                 const int bits) {
     const int fields = 8 / bits, kt = 32 / bits;
@@ -82,7 +82,7 @@ ALWAYS_INLINE void tokens_group(const uint8_t *base, int64_t ks0, int64_t ks1, c
     for (int64_t ks = ks0; ks < ks1; ks++) {
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            const uint8_t *tile = base + (ks * nt + t) * ULB_TILE_BYTES;
+            const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
             if (ulb_prefetch_bytes(bits)) _mm_prefetch((const char *)tile + ulb_prefetch_bytes(bits), _MM_HINT_T1);
             const __m512i v = _mm512_loadu_si512(tile);
 #pragma GCC unroll 8
@@ -99,7 +99,6 @@ ALWAYS_INLINE void tokens_group(const uint8_t *base, int64_t ks0, int64_t ks1, c
 ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts *a, int64_t n0,
                               float *facc, int32_t *dots, const int nb, const int nt,
                               const int bits) {
-    const uint8_t *base = w->codes + ulb_panel_offset(bits, w->K_pad, tile0 / ULB_PANEL_TILES);
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
     const __m512i va = _mm512_set1_epi32(w->level_a);
@@ -112,23 +111,31 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
         const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        const uint8_t *group = ulb_group_base(w, tile0 / ULB_PANEL_TILES, nt, g);
+        const float *scales = (const float *)group;
+        const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
+        /* As far ahead of the scales as the tile loops prefetch ahead of codes. */
+        if (ulb_prefetch_bytes(bits))
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++)
+                _mm_prefetch((const char *)group + t * ULB_TILE_SCALE_BYTES + ulb_prefetch_bytes(bits), _MM_HINT_T1);
         __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES];
         if (bits == 1 && nb == 1 && a->lut1) {
             int32_t dot1[ULB_PANEL_ROWS] __attribute__((aligned(64)));
-            ulb_lut1_group_avx512(base, ks0, ks1, nt, a->lut1, dot1);
+            ulb_lut1_group_avx512(codes, ks0, ks1, nt, a->lut1, dot1);
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) acc[0][t] = _mm512_load_si512(dot1 + t * ULB_TILE);
         } else if (nb == 1)
-            one_token_group(base, ks0, ks1, x[0], acc[0], nt, bits);
+            one_token_group(codes, ks0, ks1, x[0], acc[0], nt, bits);
         else
-            tokens_group(base, ks0, ks1, x, acc, nb, nt, bits);
+            tokens_group(codes, ks0, ks1, x, acc, nb, nt, bits);
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++) {
             const __m512i vb = _mm512_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
                 const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(acc[j][t], va), vb);
-                const __m512 s = _mm512_loadu_ps(w->scales + g * w->M_pad + (tile0 + t) * ULB_TILE);
+                const __m512 s = _mm512_loadu_ps(scales + t * ULB_TILE);
                 f[j][t] = _mm512_add_ps(f[j][t], _mm512_mul_ps(s, _mm512_cvtepi32_ps(dot)));
                 if (dots)
                     _mm512_storeu_si512(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + t * ULB_TILE, dot);

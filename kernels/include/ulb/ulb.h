@@ -7,9 +7,9 @@
  * quantised per token to int8 (absmax), so every format reduces to one
  * integer dot product of levels with int8 activations per (row, group).
  *
- * A packed weight is one self-describing byte blob: a 64-byte header, the
- * codes in the tile/panel layout of src/layout.h (packed by src/format.c),
- * then the scales. Every entry point
+ * A packed weight is one self-describing byte blob: a 64-byte header, then
+ * the scales and codes interleaved in the panel layout of src/layout.h
+ * (packed by src/format.c), then one line of zero padding. Every entry point
  * validates the header, so a blob of another format or shape is an error,
  * never garbage. Functions return ulb_status; nothing aborts. */
 #ifndef ULB_ULB_H
@@ -33,7 +33,8 @@ typedef enum {
     ULB_ERR_ISA,        /* requested ISA not available on this CPU */
     ULB_ERR_NOMEM,
     ULB_ERR_THREADS,
-    ULB_ERR_SCALE       /* a scale is NaN or infinite */
+    ULB_ERR_SCALE,      /* a scale is NaN or infinite */
+    ULB_ERR_BLOB_VERSION /* packed blob of an older layout version */
 } ulb_status;
 
 const char *ulb_status_str(ulb_status s);
@@ -71,11 +72,11 @@ typedef struct {
     int64_t group_size; /* == K_pad for one group per row */
     int64_t n_groups;
     int64_t M_pad, K_pad;
-    int64_t scales_offset; /* bytes from blob start; codes start at 64 */
+    int64_t panels_bytes; /* scales and codes, from byte 64 on (src/layout.h) */
 } ulb_header;
 
 #define ULB_MAGIC 0x31424c55u /* "ULB1" little-endian */
-#define ULB_BLOB_VERSION 1
+#define ULB_BLOB_VERSION 2 /* 1: scales after all codes */
 #define ULB_HEADER_BYTES 64
 
 /* Size in bytes of the blob for these parameters; < 0 (a -ulb_status) when
