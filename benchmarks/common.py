@@ -114,14 +114,17 @@ def time_rotating(items: Sequence, fn: Callable[[Any], Any], *, reps: int = 15, 
 
 
 def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]], *, reps: int = 15,
-                     warmup_passes: int = 1, min_sample_s: float = 2e-3) -> list[float]:
+                     warmup_passes: int = 1, min_sample_s: float = 2e-3,
+                     samples_out: list[list[float]] | None = None) -> list[float]:
     """Median seconds per call of each (items, fn) over its own cold rotation,
     with the samples taken in turn (a sample of each candidate, then the next
     round, starting one candidate later), so that DRAM bandwidth drifting
     during the measurement weighs on all candidates alike and their ratios
     hold. Each candidate is warmed up with `warmup_passes` full passes (page
     faults, thread pool start); a sample is at least one call and about
-    min_sample_s long."""
+    min_sample_s long. samples_out, if given, receives every candidate's
+    per-round seconds per call (for ratios taken round by round; see
+    median_ratio)."""
     rots = [Rotation(items, fn) for items, fn in candidates]
     inner = []
     for rot, (items, _) in zip(rots, candidates):
@@ -142,7 +145,17 @@ def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]]
             for _ in range(inner[i]):
                 rot()
             samples[i].append((time.perf_counter() - t0) / inner[i])
+    if samples_out is not None:
+        samples_out[:] = samples
     return [statistics.median(s) for s in samples]
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over rounds of num[r] / den[r]: two candidates' samples of one
+    round were taken moments apart, so their ratio cancels the DRAM speed
+    of that moment, which on a shared VM drifts by more than the effects
+    measured (the C tools of benchmarks/c report the same statistic)."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def cold_rotation(n_bytes_each: int, total_target: int = 600 * MiB, min_total: int = 256 * MiB,

@@ -201,15 +201,17 @@ def main(argv=None):
                         # thread count: the roofline for this access pattern.
                         stream = [([m.packed for m in rot.items] if args.module else rot.items,
                                    lambda b: ulbtorch.runtime.read_probe(b, nt)) for rot in rots.values()]
+                        samples = []
                         times = common.time_interleaved(
                             [(wb, lambda w: F.linear(xb, w))] + [(rots[f].items, calls[f]) for f in formats] + stream,
-                            reps=args.reps)
+                            reps=args.reps, samples_out=samples)
                         t_bf16, t_ours, t_stream = times[0], times[1:1 + len(formats)], times[1 + len(formats):]
+                        s_ours, s_stream = samples[1:1 + len(formats)], samples[1 + len(formats):]
                         bf16_us = 1e6 * t_bf16
                         if args.hot:
                             w0 = wb[0]
                             bf16_hot_us = 1e6 * time_hot(lambda: F.linear(xb, w0), args.reps)
-                        for fmt, t, ts in zip(formats, t_ours, t_stream):
+                        for fmt, t, ts, so, ss in zip(formats, t_ours, t_stream, s_ours, s_stream):
                             rot = rots[fmt]
                             check_pool_threads(fmt, nt)
                             us = 1e6 * t
@@ -221,7 +223,7 @@ def main(argv=None):
                                        us=us, us_bf16=bf16_us, gbps=gbps,
                                        pct_bw=100 * gbps / bw[nt]["gbps"], read_bw=bw[nt]["gbps"],
                                        gbps_stream=rot.blob_bytes / ts / 1e9,
-                                       pct_stream=100 * ts / t,
+                                       pct_stream=100 * common.median_ratio(ss, so),
                                        gbps_bf16=M * K * 2 / (bf16_us * 1e-6) / 1e9,
                                        speedup=bf16_us / us, mode="module" if args.module else "op")
                             if args.hot:
