@@ -16,7 +16,8 @@
  * so a kernel reads every byte it needs in address order. One stream per
  * core matters: on the Zen 4 of benchmarks/results a core reading four
  * interleaved streams loses ~35% of its DRAM bandwidth to the prefetcher,
- * and the scales kept apart (blob version 1) cost a one-thread GEMV 3-6%. */
+ * and the scales kept apart (blob version 1) cost a one-thread cold GEMV
+ * 1-6% (2-bit) and 5-8% (1-bit). */
 #ifndef ULB_LAYOUT_H
 #define ULB_LAYOUT_H
 
