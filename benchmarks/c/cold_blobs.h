@@ -3,6 +3,7 @@
 #ifndef ULB_BENCH_COLD_BLOBS_H
 #define ULB_BENCH_COLD_BLOBS_H
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -83,6 +84,21 @@ static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const i
     free(scales);
     *count = n;
     return 0;
+}
+
+/* The rotation of a tool that links one build (gemv_cold, read_widths): the
+ * format and shape of `a` checked, then its ulb_pack'ed copies. NULL, with a
+ * message, on failure. */
+static inline uint8_t **bench_cold_blobs_of(const bench_shape *a, int64_t *nbytes, int *count) {
+    const ulb_format_info *fi = ulb_format_get(a->format);
+    *nbytes = ulb_packed_nbytes(a->format, a->M, a->K, 0);
+    if (!fi || *nbytes < 0) {
+        fprintf(stderr, "bad format %d or shape %ldx%ld\n", a->format, (long)a->M, (long)a->K);
+        return NULL;
+    }
+    uint8_t **blobs;
+    const bench_pack_fn pack = ulb_pack;
+    return bench_cold_blobs(1, &pack, nbytes, a->format, fi->max_code, a->M, a->K, &blobs, count) ? NULL : blobs;
 }
 
 #endif

@@ -12,16 +12,11 @@ int main(int argc, char **argv) {
     const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){14336, 4096, ULB_FMT_INT2_SYM, 1, 8});
     const int64_t M = a.M, K = a.K;
     const int fmt = a.format, threads = a.threads, rounds = a.rounds;
-    const ulb_format_info *fi = ulb_format_get(fmt);
-    const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
-    if (!fi || nbytes < 0) {
-        fprintf(stderr, "bad format %d or shape %ldx%ld\n", fmt, (long)M, (long)K);
-        return 2;
-    }
+    int64_t nbytes;
     int n;
-    uint8_t **blobs;
-    const bench_pack_fn pack = ulb_pack;
-    if (bench_cold_blobs(1, &pack, &nbytes, fmt, fi->max_code, M, K, &blobs, &n)) return 2;
+    uint8_t **blobs = bench_cold_blobs_of(&a, &nbytes, &n);
+    if (!blobs) return 2;
+    const ulb_format_info *fi = ulb_format_get(fmt);
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     double t_gemv = 0, t_read = 0;

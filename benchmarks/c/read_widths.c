@@ -61,19 +61,14 @@ int main(int argc, char **argv) {
     const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){4096, 4096, ULB_FMT_INT2_SYM, 1, 15});
     const int64_t M = a.M, K = a.K;
     const int fmt = a.format, threads = a.threads, rounds = a.rounds;
+    int64_t nbytes;
+    int n;
+    uint8_t **blobs = bench_cold_blobs_of(&a, &nbytes, &n);
+    if (!blobs) return 2;
     const ulb_format_info *fi = ulb_format_get(fmt);
-    const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
-    if (!fi || nbytes < 0) {
-        fprintf(stderr, "bad format %d or shape %ldx%ld\n", fmt, (long)M, (long)K);
-        return 2;
-    }
     const int have512 = __builtin_cpu_supports("avx512f"), have256 = __builtin_cpu_supports("avx2");
     int runs[NCAND];
     for (int c = 0; c < NCAND; c++) runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : 1;
-    int n;
-    uint8_t **blobs;
-    const bench_pack_fn pack = ulb_pack;
-    if (bench_cold_blobs(1, &pack, &nbytes, fmt, fi->max_code, M, K, &blobs, &n)) return 2;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};
