@@ -55,10 +55,12 @@ typedef ulb_status (*bench_pack_fn)(int format, int64_t M, int64_t K, int64_t gr
  * lay blobs out differently), then copied until each variant holds ~600 MiB
  * (at least 4 copies): by the time a copy comes round again the others have
  * pushed it out of every cache. All copies share one allocation, the
- * variants' copies alternating, so that every variant streams from the same
- * kind of memory: on the VM of benchmarks/results, blobs that glibc served
- * from separate mmaps read 7-14% slower than blobs from its heap. Fills
- * blobs[v][i] for i < *count; returns 0, or -1 on failure. */
+ * variants' copies alternating and their pages faulted in turn, so that no
+ * variant streams from better memory: on the VM of benchmarks/results, two
+ * sets of identical blobs whose pages were faulted one set after the other
+ * read 7-14% apart (the later set faster), in one arena as in separate
+ * allocations. Fills blobs[v][i] for i < *count; returns 0, or -1 on
+ * failure. */
 static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const int64_t *nbytes, int format,
                                    int max_code, int64_t M, int64_t K, uint8_t ***blobs, int *count) {
     int64_t stride = 0;
