@@ -262,7 +262,9 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_isa_supported),   reinterpret_cast<const void *>(&ulb_isa_set),
     reinterpret_cast<const void *>(&ulb_sched_stats_get), reinterpret_cast<const void *>(&ulb_sched_reset),
     reinterpret_cast<const void *>(&ulb_sched_set_static), reinterpret_cast<const void *>(&ulb_sched_set_slowdown),
-    reinterpret_cast<const void *>(&ulb_read_probe), reinterpret_cast<const void *>(&ulbtorch_use_torch_threads)};
+    reinterpret_cast<const void *>(&ulb_read_probe), reinterpret_cast<const void *>(&ulbtorch_use_torch_threads),
+    reinterpret_cast<const void *>(&ulb_lut1_enable), reinterpret_cast<const void *>(&ulb_lut1_enabled),
+    reinterpret_cast<const void *>(&ulb_lut1_available)};
 
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {

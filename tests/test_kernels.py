@@ -1,5 +1,6 @@
 """The C kernels through torch.ops.ulb: every ISA path against the scalar
 oracle (bit for bit) and against plain integer arithmetic in PyTorch."""
+import contextlib
 import ctypes
 import functools
 import zlib
@@ -12,11 +13,15 @@ from ulbtorch import ops, runtime
 from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
 
 ISAS = runtime.supported_isas()
+# Kernel sets under test: every ISA, and AVX-512 with the 1-bit lookup-table
+# kernel switched on (one-token, one-thread 1-bit calls; off by default).
+KERNELS = ISAS + (["avx512+lut1"] if runtime.lut1_available() else [])
 FMTS = list(FORMATS)
 MS = (1, 7, 33, 100, 1000)
 KS = (1, 16, 33, 257, 4097)
-# 1: the one-token kernels (table lookup for 1-bit codes on AVX-512 VBMI);
-# 5 = 4 + 1: the one-token kernels without tables; 2, 7: two and three tokens.
+# 1: the one-token kernels (for 1-bit codes under "avx512+lut1", the lookup
+# tables); 5 = 4 + 1: a one-token tail after four tokens, never with tables;
+# 2, 7: two and three tokens.
 NS = (1, 2, 5, 7, 64)
 GROUP_SIZES = (0, 32, 128)
 
@@ -33,7 +38,15 @@ def _gen(*key):
 # Items ordered with the ISA innermost, so the cached scalar results of one
 # shape serve every ISA before the next shape is built.
 GRID = [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
-        for fmt in FMTS for M in MS for K in KS for gs in GROUP_SIZES for isa in ISAS]
+        for fmt in FMTS for M in MS for K in KS for gs in GROUP_SIZES for isa in KERNELS
+        if fmt == "binary" or "+lut1" not in isa]
+
+
+@contextlib.contextmanager
+def use_kernels(name):
+    isa, _, variant = name.partition("+")
+    with runtime.use_isa(isa), runtime.use_lut1(variant == "lut1"):
+        yield
 
 
 @functools.lru_cache(maxsize=4)
@@ -128,7 +141,7 @@ def test_int_dots(fmt, M, K, gs, isa):
     _, _, blob = _weight(fmt, M, K, gs)
     G = n_groups(normalize_group_size(gs, K, fmt), K)
     for N, (xq, xsum, scalar, exact) in _dots_expected(fmt, M, K, gs).items():
-        with runtime.use_isa(isa):
+        with use_kernels(isa):
             dots = torch.ops.ulb.int_dots(blob, xq, xsum)
         assert dots.dtype == torch.int32 and dots.shape == (N, M, G)
         assert torch.equal(dots, scalar), f"N={N}: {isa} int_dots differ from scalar"
@@ -139,7 +152,7 @@ def test_int_dots(fmt, M, K, gs, isa):
 def test_linear_fp32_bit_identical(fmt, M, K, gs, isa):
     _, _, blob = _weight(fmt, M, K, gs)
     for N, (x, scalar, exact) in _linear_expected(fmt, M, K, gs).items():
-        with runtime.use_isa(isa):
+        with use_kernels(isa):
             y = torch.ops.ulb.linear(x, blob, None, M)
         assert y.dtype == torch.float32 and y.shape == (N, M)
         assert torch.equal(y, scalar), f"N={N}: {isa} output differs from scalar"
@@ -159,8 +172,8 @@ def test_int_dots_extremes_at_max_k(fmt):
             xq = torch.full((N, K), -128, dtype=torch.int8)
             xsum = xq.to(torch.int32).sum(1, keepdim=True, dtype=torch.int32)
             want = torch.full((N, M, 1), (f.level_a * code + f.level_b) * -128 * K, dtype=torch.int32)
-            for isa in ISAS:
-                with runtime.use_isa(isa):
+            for isa in KERNELS:
+                with use_kernels(isa):
                     assert torch.equal(torch.ops.ulb.int_dots(blob, xq, xsum), want), (isa, code, N)
 
 
@@ -173,13 +186,13 @@ def _blob(gen, fmt="int2_sym", M=70, K=200, gs=32):
     return ops.pack(codes, torch.rand(M, G, generator=gen) + 0.05, fmt, gs)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_linear_bf16(gen, isa, fmt):
     M, K = 70, 200
     blob = _blob(gen, fmt, M, K)
     x = torch.randn(9, K, generator=gen).to(torch.bfloat16)
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         y = torch.ops.ulb.linear(x, blob, None, M)
     with runtime.use_isa("scalar"):
         y_scalar = torch.ops.ulb.linear(x, blob, None, M)
@@ -190,7 +203,7 @@ def test_linear_bf16(gen, isa, fmt):
     assert torch.equal(y, y32.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_linear_bias(gen, isa, x_dtype, bias_dtype):
@@ -198,14 +211,14 @@ def test_linear_bias(gen, isa, x_dtype, bias_dtype):
     blob = _blob(gen, "ternary", M, K)
     x = torch.randn(5, K, generator=gen).to(x_dtype)
     bias = (torch.randn(M, generator=gen) * 3).to(bias_dtype)
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         y = torch.ops.ulb.linear(x, blob, bias, M)
     y0 = torch.ops.ulb.linear(x.float(), blob, None, M)
     assert y.dtype == x_dtype
     assert torch.equal(y, (y0 + bias.float()).to(x_dtype))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 def test_linear_bf16_output_rounding_ties_and_nan(gen, isa):
     """The bf16 output step on the values where rounding rules differ: exact
     ties (half to even) and NaNs whose payload would carry into the bf16 bits.
@@ -220,7 +233,7 @@ def test_linear_bf16_output_rounding_ties_and_nan(gen, isa):
     assert torch.equal(y[0] + bias, ties[0])
     nan = torch.tensor([0x7FC0FFFF], dtype=torch.int32).view(torch.float32)
     bias[::5] = nan
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         out = torch.ops.ulb.linear(x, blob, bias, M)
     with runtime.use_isa("scalar"):
         ref = torch.ops.ulb.linear(x, blob, bias, M)
@@ -243,7 +256,7 @@ def test_linear_multithread_identical(gen):
     assert torch.equal(y1, epilogue(blob, x))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 def test_linear_non_contiguous(gen, isa):
     M, K = 70, 200
     blob = _blob(gen, "binary", M, K)
@@ -255,7 +268,7 @@ def test_linear_non_contiguous(gen, isa):
         "broadcast": torch.randn(1, K, generator=gen).expand(4, K),  # row stride 0
         "bf16_transposed": torch.randn(K, 3, generator=gen).to(torch.bfloat16).t(),
     }
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         for name, x in views.items():
             assert not x.is_contiguous(), name
             y = torch.ops.ulb.linear(x, blob, None, M)
@@ -264,13 +277,13 @@ def test_linear_non_contiguous(gen, isa):
         assert torch.equal(y, y[:1].expand_as(y))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 def test_linear_leading_dims(gen, isa):
     M, K = 33, 48
     blob = _blob(gen, "int2", M, K, 16)
     x = torch.randn(2, 3, 4, K, generator=gen)
     bias = torch.randn(M, generator=gen)
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         y = torch.ops.ulb.linear(x, blob, bias, M)
         assert y.shape == (2, 3, 4, M)
         assert torch.equal(y, torch.ops.ulb.linear(x.reshape(-1, K), blob, bias, M).reshape(2, 3, 4, M))
@@ -295,7 +308,7 @@ def test_quantize_act_matches_reference_bitwise(gen):
             assert torch.equal(xscale, s.squeeze(-1)), f"K={K} {xin.dtype}: xscale"
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 def test_quantize_act_isa_matches_scalar(gen, isa):
     """xq, xscale and the group sums of every ISA equal the scalar path's bit
     for bit: odd K and groups, fp32 and bf16, strided rows, and rows that
@@ -312,7 +325,7 @@ def test_quantize_act_isa_matches_scalar(gen, isa):
         for xin in (x, x.to(torch.bfloat16), x.t().contiguous().t()):
             with runtime.use_isa("scalar"):
                 want = torch.ops.ulb.quantize_act(xin, blob)
-            with runtime.use_isa(isa):
+            with use_kernels(isa):
                 got = torch.ops.ulb.quantize_act(xin, blob)
             for name, a, b in zip(("xq", "xscale", "xsum"), got, want):
                 assert torch.equal(a, b) or (name == "xscale" and torch.equal(a.isnan(), b.isnan())
@@ -342,7 +355,7 @@ def test_quantize_act_documented_rule(gen):
         assert xsum.shape == (9, info["n_groups"])
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 def test_all_zero_rows(gen, isa):
     M, K = 70, 200
     blob = _blob(gen, "int2", M, K)
@@ -352,7 +365,7 @@ def test_all_zero_rows(gen, isa):
     xq, xscale, xsum = torch.ops.ulb.quantize_act(x, blob)
     assert not xq[1].any() and not xsum[1].any() and torch.isfinite(xscale).all()
     bias = torch.randn(M, generator=gen)
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         y = torch.ops.ulb.linear(x, blob, bias, M)
         y0 = torch.ops.ulb.linear(x, blob, None, M)
     assert torch.equal(y[1], bias) and torch.equal(y[4], bias)
@@ -360,14 +373,14 @@ def test_all_zero_rows(gen, isa):
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNELS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_row_gives_nan_row(gen, isa, bad):
     M, K = 70, 200
     blob = _blob(gen, "ternary", M, K)
     x = torch.randn(5, K, generator=gen)
     x[2, 17] = bad
-    with runtime.use_isa(isa):
+    with use_kernels(isa):
         y = torch.ops.ulb.linear(x, blob, None, M)
         clean = torch.ops.ulb.linear(x[[0, 1, 3, 4]], blob, None, M)
     assert torch.isnan(y[2]).all()

@@ -34,20 +34,22 @@ int main(int argc, char **argv) {
         for (int isa = ULB_ISA_AVX2; isa <= ULB_ISA_AVX512; isa++) {
             if (!ulb_isa_supported(isa)) continue;
             ulb_panel_fn fn = ulb_panel_for_isa(isa);
-            /* One-token 1-bit calls take the lookup tables where ulb_linear would. */
-            const ulb_acts a = {xq, w.K_pad, xsum, fmt == ULB_FMT_BINARY && ulb_lut1_supported(isa) ? lut1 : NULL};
-            for (int nb = 1; nb <= ULB_NB_MAX; nb *= 4) {
-                double best = 1e30;
-                for (int rep = 0; rep < 200; rep++) {
-                    const double t0 = now_ns();
-                    for (int64_t p = 0; p < M / ULB_PANEL_ROWS; p++) fn(&w, p * 4, 4, &a, 0, nb, facc, NULL);
-                    const double dt = now_ns() - t0;
-                    if (dt < best) best = dt;
+            /* 1-bit one-token calls also with the lookup tables (ulb_lut1_enable). */
+            const int luts = fmt == ULB_FMT_BINARY && ulb_lut1_available(isa) ? 2 : 1;
+            for (int lut = 0; lut < luts; lut++)
+                for (int nb = 1; nb <= (lut ? 1 : ULB_NB_MAX); nb *= 4) {
+                    const ulb_acts a = {xq, w.K_pad, xsum, lut ? lut1 : NULL};
+                    double best = 1e30;
+                    for (int rep = 0; rep < 200; rep++) {
+                        const double t0 = now_ns();
+                        for (int64_t p = 0; p < M / ULB_PANEL_ROWS; p++) fn(&w, p * 4, 4, &a, 0, nb, facc, NULL);
+                        const double dt = now_ns() - t0;
+                        if (dt < best) best = dt;
+                    }
+                    printf("%-8s %-6s%-5s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
+                           ulb_format_get(fmt)->name, ulb_isa_name(isa), lut ? "+lut1" : "", nb, M * K * nb / best,
+                           (nbytes - 64) / best, nb);
                 }
-                printf("%-8s %-6s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
-                       ulb_format_get(fmt)->name, ulb_isa_name(isa), nb, M * K * nb / best,
-                       (nbytes - 64) / best, nb);
-            }
         }
     }
     return 0;

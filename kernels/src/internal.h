@@ -103,10 +103,9 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of
  * ULB_LUT1_STEP_BYTES per 32 columns, built once per call; AVX-512 VBMI only,
- * and off with ULB_LUT1=0 in the environment at load. ulb_lut1_group_avx512
- * sums k-steps [ks0, ks1) of one group whose codes start at `codes`. */
+ * used when enabled (ulb_lut1_enable). ulb_lut1_group_avx512 sums k-steps
+ * [ks0, ks1) of one group whose codes start at `codes`. */
 #define ULB_LUT1_STEP_BYTES 256
-int ulb_lut1_supported(ulb_isa isa);
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
                            int32_t *acc);

@@ -30,7 +30,7 @@ int ulb_isa_supported(ulb_isa isa) {
 }
 
 static _Atomic int active_isa = -1;
-static int lut1_off; /* ULB_LUT1=0 at load: never the 1-bit lookup kernel (for A/B timing) */
+static _Atomic int lut1_on;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
 static void isa_init(void) {
@@ -38,7 +38,7 @@ static void isa_init(void) {
     if (ulb_isa_supported(ULB_ISA_AVX2)) best = ULB_ISA_AVX2;
     if (ulb_isa_supported(ULB_ISA_AVX512)) best = ULB_ISA_AVX512;
     const char *lut = getenv("ULB_LUT1");
-    lut1_off = lut && !strcmp(lut, "0");
+    atomic_store(&lut1_on, lut && !strcmp(lut, "1"));
     const char *env = getenv("ULB_ISA");
     if (env)
         for (int i = 0; i <= ULB_ISA_AVX512; i++)
@@ -58,11 +58,19 @@ ulb_status ulb_isa_set(ulb_isa isa) {
     return ULB_OK;
 }
 
-int ulb_lut1_supported(ulb_isa isa) {
-#if defined(__x86_64__)
+void ulb_lut1_enable(int on) {
     pthread_once(&isa_once, isa_init);
-    return !lut1_off && isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) &&
-           __builtin_cpu_supports("avx512vbmi");
+    atomic_store(&lut1_on, on != 0);
+}
+
+int ulb_lut1_enabled(void) {
+    pthread_once(&isa_once, isa_init);
+    return atomic_load(&lut1_on);
+}
+
+int ulb_lut1_available(ulb_isa isa) {
+#if defined(__x86_64__)
+    return isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
 #else
     (void)isa;
     return 0;

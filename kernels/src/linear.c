@@ -25,14 +25,12 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-/* Whether a call takes the 1-bit lookup kernel. It pays when one core must
- * keep up with DRAM alone (cold 1-bit GEMV, 1 thread: 86-87% of a read
- * against 82-84% on the larger llama3-8b shapes); with two threads the
- * table-free kernel is already memory-bound, and the tables only add cache
- * traffic (75-88% against 86-92%; benchmarks/c/gemv_cold.c, ULB_LUT1=0 turns
- * the tables off). */
+/* Whether a call takes the 1-bit lookup kernel: only when enabled (see
+ * ulb.h), and on one thread; with two, the masking kernel is already
+ * memory-bound and the tables only add cache traffic (0.67-0.90x cold,
+ * benchmarks/c/ab_builds.sh). */
 static int use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
-    return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_supported(isa);
+    return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_enabled() && ulb_lut1_available(isa);
 }
 
 /* Per-token int8 activations, and with `lut` the lookup tables of the 1-bit
