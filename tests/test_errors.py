@@ -1,4 +1,5 @@
 """Bad input gives a clear Python exception, never garbage or a crash."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -263,6 +264,23 @@ def test_runtime_controls():
         runtime.set_thread_slowdown(0, 0.5)
     with pytest.raises(ValueError, match="no scheduler table for bits=3"):
         runtime.scheduler_stats(3)
+
+
+def test_lut1_switch(monkeypatch):
+    at_load = os.environ.get("ULB_LUT1") == "1"
+    assert runtime.lut1_enabled() == at_load, "the 1-bit lookup-table kernel is off unless ULB_LUT1=1"
+    if runtime.lut1_available():
+        with runtime.use_lut1(not at_load):
+            assert runtime.lut1_enabled() != at_load
+        assert runtime.lut1_enabled() == at_load
+        env = dict(os.environ, ULB_LUT1="1")
+        out = subprocess.run([sys.executable, "-c", "import ulbtorch; print(ulbtorch.runtime.lut1_enabled())"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.stdout.strip() == "True", out.stderr
+    monkeypatch.setattr(runtime, "lut1_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs AVX-512 VBMI"):
+        runtime.set_lut1(True)
+    runtime.set_lut1(False)  # turning it off is always allowed
 
 
 def test_load_quantized_errors(tmp_path):
