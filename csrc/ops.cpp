@@ -217,6 +217,45 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
   return out;
 }
 
+// x [..., K] through a plain bf16 weight [M, K]: one ulb_gemv_bf16 per row of
+// x, so meant for decode (one token); the modules send longer inputs to
+// F.linear.
+Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
+  check_cpu(weight, "linear_bf16", "weight");
+  STD_TORCH_CHECK(weight.scalar_type() == ScalarType::BFloat16 && weight.dim() == 2 && weight.stride(1) == 1,
+                  "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with contiguous rows, got ",
+                  dtype_name(weight.scalar_type()), " with ", weight.dim(), " dims");
+  const int64_t M = weight.size(0), K = weight.size(1);
+  STD_TORCH_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
+  check_cpu(x, "linear_bf16", "input");
+  const ulb_dtype xdt = act_dtype(x, "linear_bf16", "input");
+  STD_TORCH_CHECK(x.dim() >= 1 && x.size(x.dim() - 1) == K, "ulb.linear_bf16: input has ",
+                  x.dim() ? x.size(x.dim() - 1) : 0, " features but the weight expects ", K);
+  ulb_dtype bdt = ULB_DT_F32;
+  const void *bptr = nullptr;
+  Tensor b;
+  if (bias.has_value()) {
+    b = bias->is_contiguous() ? *bias : torch::stable::contiguous(*bias);
+    check_cpu(b, "linear_bf16", "bias");
+    bdt = act_dtype(b, "linear_bf16", "bias");
+    STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == M, "ulb.linear_bf16: bias must have shape [", M, "]");
+    bptr = b.const_data_ptr();
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = M;
+  Tensor y = new_tensor(shape, x.scalar_type());
+  const Rows rows = as_rows(x, K);
+  const size_t esize = xdt == ULB_DT_F32 ? 4 : 2;
+  const int nthreads = static_cast<int>(torch::stable::get_num_threads());
+  for (int64_t n = 0; n < rows.N; n++)
+    check_ok(ulb_gemv_bf16(static_cast<const uint16_t *>(weight.const_data_ptr()), M, K, weight.stride(0),
+                           static_cast<const char *>(rows.t.const_data_ptr()) + n * rows.ld * esize, xdt,
+                           rows.inc, bptr, bdt, static_cast<char *>(y.mutable_data_ptr()) + n * M * esize, xdt,
+                           nthreads),
+             "linear_bf16");
+  return y;
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(ulb, m) {
@@ -226,6 +265,7 @@ STABLE_TORCH_LIBRARY(ulb, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor packed) -> (Tensor, Tensor, Tensor)");
   m.def("int_dots(Tensor packed, Tensor xq, Tensor xsum) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
@@ -235,6 +275,7 @@ STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
   m.impl("linear", TORCH_BOX(&linear));
   m.impl("quantize_act", TORCH_BOX(&quantize_act));
   m.impl("int_dots", TORCH_BOX(&int_dots));
+  m.impl("linear_bf16", TORCH_BOX(&linear_bf16));
 }
 
 namespace {

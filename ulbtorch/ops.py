@@ -18,6 +18,13 @@ def _linear_fake(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("ulb::linear_bf16")
+def _linear_bf16_fake(x, weight, bias):
+    if weight.device != x.device:
+        raise ValueError(f"ulb.linear_bf16: input is on {x.device} but the weight is on {weight.device}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def _check_packed(packed: torch.Tensor) -> None:
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
         raise TypeError(
@@ -83,6 +90,17 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if x.dtype not in _ACT_DTYPES:
         raise TypeError(f"input must be float32 or bfloat16, got {x.dtype}")
     return torch.ops.ulb.linear(x, packed, bias, out_features)
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b for a plain bf16 weight W, by ulbtorch's GEMV: fp32
+    accumulation, one pass over W per row of x (made for one-token decode;
+    see nn.LinearBF16)."""
+    if x.device.type != "cpu":
+        raise ValueError(f"ulbtorch.ops.linear_bf16 runs on CPU; input is on {x.device}")
+    if x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"input must be float32 or bfloat16, got {x.dtype}")
+    return torch.ops.ulb.linear_bf16(x, weight, bias)
 
 
 # ---- pure-PyTorch reference -------------------------------------------------

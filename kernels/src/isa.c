@@ -104,3 +104,11 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
     default: return ulb_quant_row_ref;
     }
 }
+
+ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa) {
+#if defined(__x86_64__)
+    if (isa == ULB_ISA_AVX512) return ulb_gemv_bf16_rows_avx512;
+#endif
+    (void)isa;
+    return ulb_gemv_bf16_rows_ref; /* AVX2: not written; the Python layer keeps F.linear there */
+}

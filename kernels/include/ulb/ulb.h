@@ -128,6 +128,15 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
  * run as the kernels. */
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum);
 
+/* One token through a plain bf16 weight w (M x K, row stride ldw >= K):
+ * y[m] = sum_k w[m,k] x[k*incx] (+ bias[m]) in fp32, in the accumulation
+ * order of kernels/ref/gemv_bf16_ref.c, rounded once to y_dt. For the layers
+ * left in bf16 (lm_head), which PyTorch's N = 1 bf16 F.linear reads at well
+ * below DRAM speed on CPUs without AMX. */
+ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const void *x, ulb_dtype x_dt,
+                         int64_t incx, const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt,
+                         int nthreads);
+
 /* ---- ISA ----------------------------------------------------------------- */
 
 typedef enum { ULB_ISA_SCALAR = 0, ULB_ISA_AVX2 = 1, ULB_ISA_AVX512 = 2 } ulb_isa;
@@ -169,7 +178,7 @@ typedef struct {
     int64_t last_panels[ULB_MAX_THREADS];
 } ulb_sched_stats;
 
-/* One performance table per kernel family (format bits x ISA). */
+/* One performance table per kernel family (format bits x ISA; bits 16: ulb_gemv_bf16). */
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out);
 void ulb_sched_reset(void);
 /* 0: dynamic split (seed 002, EMA gain 0.3); 1: static equal split. */

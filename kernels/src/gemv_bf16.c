@@ -1,0 +1,59 @@
+/* One-token GEMV over a plain bf16 weight (the layers left unquantized, such
+ * as lm_head): y = W x (+ bias) with fp32 accumulation, split over rows
+ * between threads. PyTorch's bf16 F.linear reads such a weight at well below
+ * DRAM speed at N = 1 on CPUs without AMX (benchmarks/README.md). */
+#include "dtype.h"
+#include "internal.h"
+
+#define ROWS_PER_UNIT 64 /* scheduling granularity */
+
+typedef struct {
+    const uint16_t *w;
+    int64_t ldw, M, K;
+    const float *xde;
+    const void *bias;
+    ulb_dtype bias_dt;
+    void *y;
+    ulb_dtype y_dt;
+    ulb_gemv_bf16_rows_fn rows;
+} bf16_job;
+
+static void bf16_units(void *ctx, int64_t u0, int64_t u1) {
+    const bf16_job *j = ctx;
+    float out[ROWS_PER_UNIT];
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t m0 = u * ROWS_PER_UNIT;
+        const int64_t rows = j->M - m0 < ROWS_PER_UNIT ? j->M - m0 : ROWS_PER_UNIT;
+        j->rows(j->w + m0 * j->ldw, j->ldw, j->K, rows, j->xde, out);
+        for (int64_t r = 0; r < rows; r++) {
+            float v = out[r];
+            if (j->bias) v = v + ulb_load_elem(j->bias, j->bias_dt, m0 + r);
+            ulb_store_elem(j->y, j->y_dt, m0 + r, v);
+        }
+    }
+}
+
+ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const void *x, ulb_dtype x_dt,
+                         int64_t incx, const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt,
+                         int nthreads) {
+    if (M < 0 || K < 0 || ldw < K) return ULB_ERR_SHAPE;
+    if ((x_dt != ULB_DT_F32 && x_dt != ULB_DT_BF16) || (y_dt != ULB_DT_F32 && y_dt != ULB_DT_BF16) ||
+        (bias && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
+        return ULB_ERR_DTYPE;
+    if (M == 0) return ULB_OK;
+    const int64_t chunks = (K + 31) / 32;
+    float *xde = ulb_aligned_alloc((size_t)(chunks > 0 ? chunks : 1) * 32 * sizeof(float));
+    if (!xde) return ULB_ERR_NOMEM;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int i = 0; i < 32; i++) {
+            const int64_t k = 32 * c + 2 * (i % 16) + i / 16; /* evens, then odds */
+            xde[32 * c + i] = k < K ? ulb_load_elem(x, x_dt, k * incx) : 0.0f;
+        }
+    const ulb_isa isa = ulb_isa_active();
+    const bf16_job job = {w, ldw, M, K, xde, bias, bias_dt, y, y_dt, ulb_gemv_bf16_rows_for_isa(isa)};
+    if (M * K * 2 < 64 * 1024) nthreads = 1; /* as in ulb_linear: a second thread costs more */
+    const ulb_status st = ulb_parallel(ulb_sched_family(16, isa), nthreads, (M + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT,
+                                       bf16_units, (void *)&job);
+    ulb_aligned_free(xde);
+    return st;
+}

@@ -1,0 +1,127 @@
+"""torch.ops.ulb.linear_bf16: the one-token GEMV over a plain bf16 weight.
+Every ISA equals the scalar reference bit for bit; all agree with a float64
+F.linear within the fp32 summation bound; bad input is a clear error."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ulbtorch import ops, runtime
+
+ISAS = runtime.supported_isas()
+MS = (1, 7, 33, 100, 1000)
+KS = (1, 16, 33, 257, 4097)
+
+
+def _case(gen, M, K, N=1, x_dtype=torch.float32, bias_dtype=None):
+    w = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    x = torch.randn(N, K, generator=gen).to(x_dtype)
+    b = None if bias_dtype is None else torch.randn(M, generator=gen).to(bias_dtype)
+    return x, w, b
+
+
+def _check_close(y, x, w, b):
+    """|y - exact| within the fp32 summation bound (K + 2 roundings of the
+    sum of |products|), plus the output rounding when y is bf16."""
+    xd, wd = x.double(), w.double()
+    exact = F.linear(xd, wd, None if b is None else b.double())
+    mag = F.linear(xd.abs(), wd.abs(), None if b is None else b.double().abs())
+    bound = (w.shape[1] + 2) * 2.0 ** -24 * mag + 1e-30
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * exact.abs()
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} exceeds the bound"
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("K", KS)
+def test_every_isa_matches_scalar(gen, M, K):
+    x, w, b = _case(gen, M, K, N=2)
+    with runtime.use_isa("scalar"):
+        want = torch.ops.ulb.linear_bf16(x, w, b)
+    _check_close(want, x, w, b)
+    for isa in ISAS:
+        with runtime.use_isa(isa):
+            got = torch.ops.ulb.linear_bf16(x, w, b)
+        assert torch.equal(got, want), f"{isa} differs from the scalar reference at M={M} K={K}"
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_dtypes_and_bias(gen, x_dtype, bias_dtype):
+    x, w, b = _case(gen, 130, 300, N=3, x_dtype=x_dtype, bias_dtype=bias_dtype)
+    y = ops.linear_bf16(x, w, b)
+    assert y.dtype == x_dtype and y.shape == (3, 130)
+    _check_close(y, x, w, b)
+    with runtime.use_isa("scalar"):
+        assert torch.equal(y, ops.linear_bf16(x, w, b))
+
+
+def test_signed_zero_and_special_values():
+    w = torch.zeros(4, 40, dtype=torch.bfloat16)
+    w[1, 3] = float("inf")
+    w[2, 39] = float("nan")
+    x = -torch.zeros(1, 40)
+    x[0, 3] = 2.0
+    for isa in ISAS:
+        with runtime.use_isa(isa):
+            y = ops.linear_bf16(x, w)
+        with runtime.use_isa("scalar"):
+            want = ops.linear_bf16(x, w)
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.nan_to_num(), want.nan_to_num())
+        assert y[0, 1] == float("inf") and y[0, 2].isnan() and y[0, 0] == 0
+
+
+def test_leading_dims_strided_input_and_weight_view(gen):
+    w_big = torch.randn(50, 80, generator=gen).to(torch.bfloat16)
+    w = w_big[:, 10:74]  # rows with a stride longer than K
+    x = torch.randn(2, 3, 128, generator=gen)[..., ::2]
+    y = ops.linear_bf16(x, w)
+    assert y.shape == (2, 3, 50)
+    assert torch.equal(y, ops.linear_bf16(x.contiguous(), w.contiguous()))
+    _check_close(y.reshape(6, 50), x.reshape(6, 64), w, None)
+
+
+def test_threads_do_not_change_the_result(gen):
+    x, w, b = _case(gen, 3000, 520, bias_dtype=torch.float32)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear_bf16(x, w, b)
+        torch.set_num_threads(2)
+        assert torch.equal(ops.linear_bf16(x, w, b), one)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_empty_batch():
+    w = torch.ones(5, 8, dtype=torch.bfloat16)
+    assert ops.linear_bf16(torch.empty(0, 8), w).shape == (0, 5)
+
+
+def test_bad_input():
+    w = torch.ones(5, 8, dtype=torch.bfloat16)
+    x = torch.ones(1, 8)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D bfloat16 tensor with contiguous rows, got float32"):
+        torch.ops.ulb.linear_bf16(x, w.float(), None)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.ulb.linear_bf16(torch.ones(1, 5), w.t(), None)
+    with pytest.raises(RuntimeError, match="with 1 dims"):
+        torch.ops.ulb.linear_bf16(x, w[0], None)
+    with pytest.raises(RuntimeError, match="input has 7 features but the weight expects 8"):
+        torch.ops.ulb.linear_bf16(torch.ones(1, 7), w, None)
+    with pytest.raises(RuntimeError, match="input must be float32 or bfloat16, got float64"):
+        torch.ops.ulb.linear_bf16(x.double(), w, None)
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[5\]"):
+        torch.ops.ulb.linear_bf16(x, w, torch.ones(4))
+    with pytest.raises(RuntimeError, match="no input features"):
+        torch.ops.ulb.linear_bf16(torch.ones(1, 0), torch.ones(5, 0, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="runs on CPU; input is on meta"):
+        ops.linear_bf16(x.to("meta"), w)
+    with pytest.raises(TypeError, match="input must be float32 or bfloat16"):
+        ops.linear_bf16(x.long(), w)
+
+
+def test_fake_impl_traces(gen):
+    x, w, b = _case(gen, 20, 48, bias_dtype=torch.bfloat16)
+    fn = torch.compile(lambda x: torch.ops.ulb.linear_bf16(x, w, b), fullgraph=True, backend="eager")
+    assert torch.equal(fn(x), torch.ops.ulb.linear_bf16(x, w, b))
