@@ -156,6 +156,9 @@ def main(argv=None):
                         "models on 2 cores")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize lm_head too (quantize_ leaves it in bf16 by default)")
+    p.add_argument("--bf16-gemv", action="store_true",
+                   help="also time each quantized variant with ulbtorch.bf16_gemv_ applied (the layers left in "
+                        "bf16, lm_head, through ulbtorch's one-token bf16 GEMV)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads (default: current)")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt token ids (default 16)")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens = min_new_tokens (default 32)")
@@ -283,15 +286,22 @@ def main(argv=None):
                                   else "other_linear" if type(m) is nn.Linear else None)
             total, parts = profile_decode(qm, ids, args.tokens, cls_q)
             prof[name] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
+        if args.bf16_gemv:
+            ulbtorch.bf16_gemv_(qm)
+            out = run_variant(name + " +bf16 gemv", qm)
+            results[name + " +bf16 gemv"]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
+            run_compiled(name + " +bf16 gemv", qm)
         del qm
         gc.collect()
 
     # -- report ---------------------------------------------------------------------------
     notes = []
     print()
-    for fmt in formats:
-        r = results[f"ulb {fmt}"]
-        line = (f"{fmt}: {r['tok_s']:.2f} tok/s vs bf16 {results['bf16']['tok_s']:.2f} -> {r['speedup']:.2f}x "
+    for name in [f"ulb {fmt}{v}" for fmt in formats for v in ("", " +bf16 gemv")]:
+        if name not in results:
+            continue
+        r = results[name]
+        line = (f"{name[4:]}: {r['tok_s']:.2f} tok/s vs bf16 {results['bf16']['tok_s']:.2f} -> {r['speedup']:.2f}x "
                 f"end to end ({r['decode_speedup']:.2f}x decode only); weights {results['bf16']['mib']:.0f} -> "
                 f"{r['mib']:.0f} MiB")
         print(line)

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ulbtorch
 from ulbtorch import ops, runtime
+from ulbtorch.nn import LinearBF16
 
 ISAS = runtime.supported_isas()
 MS = (1, 7, 33, 100, 1000)
@@ -125,3 +127,66 @@ def test_fake_impl_traces(gen):
     x, w, b = _case(gen, 20, 48, bias_dtype=torch.bfloat16)
     fn = torch.compile(lambda x: torch.ops.ulb.linear_bf16(x, w, b), fullgraph=True, backend="eager")
     assert torch.equal(fn(x), torch.ops.ulb.linear_bf16(x, w, b))
+
+
+# ---- nn.LinearBF16 and bf16_gemv_ ---------------------------------------------------------------
+
+def _bf16_linear(gen, K=96, M=40, bias=True):
+    lin = torch.nn.Linear(K, M, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(M, K, generator=gen))
+    return lin
+
+
+def test_module_routes_one_token_to_the_gemv(gen):
+    lin = _bf16_linear(gen)
+    layer = LinearBF16.from_linear(lin)
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    assert layer.state_dict().keys() == lin.state_dict().keys()
+    x1 = torch.randn(1, 1, 96, generator=gen).to(torch.bfloat16)
+    xn = torch.randn(2, 5, 96, generator=gen).to(torch.bfloat16)
+    if runtime.bf16_gemv_native:
+        assert torch.equal(layer(x1), torch.ops.ulb.linear_bf16(x1, lin.weight, lin.bias))
+    _check_close(layer(x1).reshape(1, 40), x1.reshape(1, 96), lin.weight, lin.bias)
+    assert torch.equal(layer(xn), lin(xn))  # prefill: F.linear itself
+    with pytest.raises(RuntimeError):  # dtype mismatch, exactly as nn.Linear
+        layer(x1.float())
+
+
+def test_module_without_a_vector_kernel_is_f_linear(gen):
+    lin = _bf16_linear(gen, bias=False)
+    layer = LinearBF16.from_linear(lin)
+    x1 = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
+    with runtime.use_isa("scalar"):
+        assert not runtime.bf16_gemv_native
+        assert torch.equal(layer(x1), lin(x1))
+    assert runtime.bf16_gemv_native == (runtime.get_isa() == "avx512")
+
+
+def test_module_compiles(gen):
+    layer = LinearBF16.from_linear(_bf16_linear(gen))
+    x1 = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
+    fn = torch.compile(layer, fullgraph=True, backend="eager")
+    assert torch.equal(fn(x1), layer(x1))
+
+
+def test_quantize_with_bf16_gemv_on_a_hf_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                   tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    stock_lm_head = model.lm_head
+    ulbtorch.quantize_(model, bits=2, bf16_gemv=True)
+    assert type(model.lm_head) is LinearBF16
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 10)
+    with torch.no_grad():  # the last token's logits, through the GEMV and through F.linear
+        h = model.model(out[:, :-1]).last_hidden_state[:, -1:]
+        _check_close(model.lm_head(h).reshape(1, -1), h.reshape(1, -1), stock_lm_head.weight, None)
+    assert ulbtorch.bf16_gemv_(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].__class__ is torch.nn.Linear

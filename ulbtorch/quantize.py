@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from .formats import FORMATS
-from .nn import MODULE_FOR_FORMAT, replace_module
+from .nn import MODULE_FOR_FORMAT, bf16_gemv_, replace_module
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym"}
@@ -25,6 +25,9 @@ class QuantConfig:
     granularity: "channel", "group" or "tensor" (default from group_size).
     method: "absmax", "absmean" or "mse" (default per format, see quantizers).
     include / exclude: fnmatch patterns on module names; exclude wins.
+    bf16_gemv: also swap the nn.Linear layers left in bf16 (lm_head by
+    default) for nn.LinearBF16, whose one-token forward runs ulbtorch's bf16
+    GEMV: same weights, fp32 accumulation in another order than F.linear.
     """
     bits: int | float | str = 2
     format: str | None = None
@@ -33,6 +36,7 @@ class QuantConfig:
     method: str | None = None
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
+    bf16_gemv: bool = False
 
     def __post_init__(self):
         if self.format is None:
@@ -89,6 +93,8 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
                                 **config.layer_args(lin.in_features))
         packed_bytes += layer.packed.numel()
         replace_module(model, name, layer)
+    if config.bf16_gemv:
+        bf16_gemv_(model)
     if progress:
         print(f"quantize_: {len(targets)} layers to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "
               f"{packed_bytes / 2**20:.1f} MiB ({(float_bytes - packed_bytes) / 2**20:.1f} MiB saved)")

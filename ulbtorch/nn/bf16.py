@@ -1,0 +1,54 @@
+"""nn.Linear with a bf16 weight whose one-token CPU forward runs ulbtorch's
+bf16 GEMV (torch.ops.ulb.linear_bf16): for the layers left unquantized, such
+as lm_head, which PyTorch's bf16 F.linear reads at well below DRAM speed when
+there is one token (decode) on CPUs without AMX."""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import runtime
+from .replace import replace_module
+
+_linear_bf16 = torch.ops.ulb.linear_bf16.default
+_BIAS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class LinearBF16(nn.Linear):
+    """Same parameters, state_dict and results as the nn.Linear it wraps,
+    to fp32 summation order. One-token bf16 input on a CPU with AVX-512 goes
+    through the GEMV; everything else (prefill, other dtypes or devices) is
+    F.linear."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "LinearBF16":
+        """A LinearBF16 sharing `linear`'s weight and bias (tied weights stay tied)."""
+        layer = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._parameters["weight"], self._parameters["bias"]
+        if (runtime.bf16_gemv_native and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and x.is_cpu and w.is_cpu and x.numel() == self.in_features == x.shape[-1]
+                and w.stride(1) == 1 and (b is None or b.dtype in _BIAS_DTYPES)):
+            return _linear_bf16(x, w, b)
+        return F.linear(x, w, b)
+
+
+def bf16_gemv_(model: nn.Module, *, include: list[str] | None = None, exclude: list[str] | None = None
+               ) -> nn.Module:
+    """Swap, in place, every nn.Linear of `model` with a bf16 weight (names
+    matching `include`, default all, and not `exclude`, fnmatch patterns) for
+    a LinearBF16 sharing its parameters; returns the model."""
+    match = lambda name, pats: any(fnmatch.fnmatchcase(name, p) for p in pats)  # noqa: E731
+    targets = [(n, m) for n, m in model.named_modules()
+               if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16
+               and match(n, include or ["*"]) and not match(n, exclude or [])]
+    for name, lin in targets:
+        replace_module(model, name, LinearBF16.from_linear(lin))
+    return model
