@@ -217,9 +217,9 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
   return out;
 }
 
-// x [..., K] through a plain bf16 weight [M, K]: one ulb_gemv_bf16 per row of
-// x, so meant for decode (one token); the modules send longer inputs to
-// F.linear.
+// bf16 x [..., K] through a plain bf16 weight [M, K] (bf16 out, as F.linear):
+// one ulb_gemv_bf16 per row of x, so meant for decode (one token); the
+// modules send longer inputs to F.linear.
 Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   check_cpu(weight, "linear_bf16", "weight");
   STD_TORCH_CHECK(weight.scalar_type() == ScalarType::BFloat16 && weight.dim() == 2 && weight.stride(1) == 1,
@@ -228,7 +228,8 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   const int64_t M = weight.size(0), K = weight.size(1);
   STD_TORCH_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
   check_cpu(x, "linear_bf16", "input");
-  const ulb_dtype xdt = act_dtype(x, "linear_bf16", "input");
+  STD_TORCH_CHECK(x.scalar_type() == ScalarType::BFloat16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
+                  dtype_name(x.scalar_type()));
   STD_TORCH_CHECK(x.dim() >= 1 && x.size(x.dim() - 1) == K, "ulb.linear_bf16: input has ",
                   x.dim() ? x.size(x.dim() - 1) : 0, " features but the weight expects ", K);
   ulb_dtype bdt = ULB_DT_F32;
@@ -245,13 +246,11 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   shape.back() = M;
   Tensor y = new_tensor(shape, x.scalar_type());
   const Rows rows = as_rows(x, K);
-  const size_t esize = xdt == ULB_DT_F32 ? 4 : 2;
   const int nthreads = static_cast<int>(torch::stable::get_num_threads());
   for (int64_t n = 0; n < rows.N; n++)
     check_ok(ulb_gemv_bf16(static_cast<const uint16_t *>(weight.const_data_ptr()), M, K, weight.stride(0),
-                           static_cast<const char *>(rows.t.const_data_ptr()) + n * rows.ld * esize, xdt,
-                           rows.inc, bptr, bdt, static_cast<char *>(y.mutable_data_ptr()) + n * M * esize, xdt,
-                           nthreads),
+                           static_cast<const uint16_t *>(rows.t.const_data_ptr()) + n * rows.ld, rows.inc, bptr,
+                           bdt, static_cast<uint16_t *>(y.mutable_data_ptr()) + n * M, ULB_DT_BF16, nthreads),
              "linear_bf16");
   return y;
 }

@@ -93,13 +93,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b for a plain bf16 weight W, by ulbtorch's GEMV: fp32
-    accumulation, one pass over W per row of x (made for one-token decode;
-    see nn.LinearBF16)."""
+    """y = x W^T + b for bf16 x and a plain bf16 weight W, by ulbtorch's GEMV:
+    fp32 accumulation, bf16 output, one pass over W per row of x (made for
+    one-token decode; see nn.LinearBF16)."""
     if x.device.type != "cpu":
         raise ValueError(f"ulbtorch.ops.linear_bf16 runs on CPU; input is on {x.device}")
-    if x.dtype not in _ACT_DTYPES:
-        raise TypeError(f"input must be float32 or bfloat16, got {x.dtype}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"input must be bfloat16 like the weight, got {x.dtype}")
     return torch.ops.ulb.linear_bf16(x, weight, bias)
 
 

@@ -9,7 +9,7 @@
 /* The 32 columns of chunk c split into 16 even and 16 odd lanes (columns
  * 32c + 2i and 32c + 2i + 1), each fused-multiply-added into accumulator set
  * c mod 4; columns past K read as zero. */
-void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const float *xde,
+void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                             float *out) {
     const int64_t chunks = (K + 31) / 32;
     for (int64_t r = 0; r < rows; r++) {
@@ -20,8 +20,9 @@ void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t r
                 for (int i = 0; i < 16; i++) {
                     const int64_t k = 32 * c + 2 * i + half;
                     const float wk = k < K ? ulb_bf16_to_f32(wr[k]) : 0.0f;
+                    const float xk = k < K ? ulb_bf16_to_f32(x[k]) : 0.0f;
                     float *a = &acc[c % ULB_BF16_SETS][half][i];
-                    *a = fmaf(wk, xde[32 * c + 16 * half + i], *a);
+                    *a = fmaf(wk, xk, *a);
                 }
         float v[16];
         for (int i = 0; i < 16; i++) {

@@ -10,7 +10,7 @@
 typedef struct {
     const uint16_t *w;
     int64_t ldw, M, K;
-    const float *xde;
+    const uint16_t *x;
     const void *bias;
     ulb_dtype bias_dt;
     void *y;
@@ -24,7 +24,7 @@ static void bf16_units(void *ctx, int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; u++) {
         const int64_t m0 = u * ROWS_PER_UNIT;
         const int64_t rows = j->M - m0 < ROWS_PER_UNIT ? j->M - m0 : ROWS_PER_UNIT;
-        j->rows(j->w + m0 * j->ldw, j->ldw, j->K, rows, j->xde, out);
+        j->rows(j->w + m0 * j->ldw, j->ldw, j->K, rows, j->x, out);
         for (int64_t r = 0; r < rows; r++) {
             float v = out[r];
             if (j->bias) v = v + ulb_load_elem(j->bias, j->bias_dt, m0 + r);
@@ -33,27 +33,23 @@ static void bf16_units(void *ctx, int64_t u0, int64_t u1) {
     }
 }
 
-ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const void *x, ulb_dtype x_dt,
-                         int64_t incx, const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt,
-                         int nthreads) {
+ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const uint16_t *x, int64_t incx,
+                         const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int nthreads) {
     if (M < 0 || K < 0 || ldw < K) return ULB_ERR_SHAPE;
-    if ((x_dt != ULB_DT_F32 && x_dt != ULB_DT_BF16) || (y_dt != ULB_DT_F32 && y_dt != ULB_DT_BF16) ||
-        (bias && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
+    if ((y_dt != ULB_DT_F32 && y_dt != ULB_DT_BF16) || (bias && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
         return ULB_ERR_DTYPE;
     if (M == 0) return ULB_OK;
-    const int64_t chunks = (K + 31) / 32;
-    float *xde = ulb_aligned_alloc((size_t)(chunks > 0 ? chunks : 1) * 32 * sizeof(float));
-    if (!xde) return ULB_ERR_NOMEM;
-    for (int64_t c = 0; c < chunks; c++)
-        for (int i = 0; i < 32; i++) {
-            const int64_t k = 32 * c + 2 * (i % 16) + i / 16; /* evens, then odds */
-            xde[32 * c + i] = k < K ? ulb_load_elem(x, x_dt, k * incx) : 0.0f;
-        }
+    uint16_t *xc = NULL; /* strided activations, gathered */
+    if (incx != 1) {
+        xc = ulb_aligned_alloc((size_t)(K > 0 ? K : 1) * sizeof(uint16_t));
+        if (!xc) return ULB_ERR_NOMEM;
+        for (int64_t k = 0; k < K; k++) xc[k] = x[k * incx];
+    }
     const ulb_isa isa = ulb_isa_active();
-    const bf16_job job = {w, ldw, M, K, xde, bias, bias_dt, y, y_dt, ulb_gemv_bf16_rows_for_isa(isa)};
+    const bf16_job job = {w, ldw, M, K, xc ? xc : x, bias, bias_dt, y, y_dt, ulb_gemv_bf16_rows_for_isa(isa)};
     if (M * K * 2 < 64 * 1024) nthreads = 1; /* as in ulb_linear: a second thread costs more */
     const ulb_status st = ulb_parallel(ulb_sched_family(16, isa), nthreads, (M + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT,
                                        bf16_units, (void *)&job);
-    ulb_aligned_free(xde);
+    ulb_aligned_free(xc);
     return st;
 }

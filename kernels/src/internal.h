@@ -111,15 +111,14 @@ void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int n
                            int32_t *acc);
 
 /* Rows kernel of the one-token bf16 GEMV (src/gemv_bf16.c): out[r] = the
- * fp32 dot of row r of w (bf16, K columns, row stride ldw) with x, given as
- * xde: per chunk of 32 columns, the 16 even then the 16 odd columns in fp32,
- * zero past K, 64-byte aligned. Accumulation order: ref/gemv_bf16_ref.c. */
+ * fp32 dot of row r of w (bf16, K columns, row stride ldw) with the K
+ * contiguous bf16 activations x. Accumulation order: ref/gemv_bf16_ref.c. */
 #define ULB_BF16_SETS 4
 typedef void (*ulb_gemv_bf16_rows_fn)(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows,
-                                      const float *xde, float *out);
-void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const float *xde,
+                                      const uint16_t *x, float *out);
+void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                             float *out);
-void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const float *xde,
+void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                                float *out);
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa);
 

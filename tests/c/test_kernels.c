@@ -1,5 +1,6 @@
 /* C unit test of kernels/: every ISA this CPU runs equals the scalar
- * reference bit for bit (integer dots and fp32 outputs), on odd shapes. */
+ * reference bit for bit (integer dots and fp32 outputs of the low-bit GEMV
+ * and GEMM, fp32 outputs of the bf16 GEMV), on odd shapes. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,33 @@ static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
     return fails;
 }
 
+static uint16_t rnd_bf16(void) { /* a finite bf16 of either sign, magnitude ~2^-8..2^7 */
+    return (uint16_t)((rnd() & 0x8000u) | ((120u + rnd() % 16u) << 7) | (rnd() & 0x7fu));
+}
+
+static int check_bf16(int64_t M, int64_t K, int64_t ldw, int64_t incx) {
+    uint16_t *w = malloc(M * ldw * 2), *x = malloc(K * incx * 2), *b = malloc(M * 2);
+    for (int64_t i = 0; i < M * ldw; i++) w[i] = rnd_bf16();
+    for (int64_t i = 0; i < K * incx; i++) x[i] = rnd_bf16();
+    for (int64_t i = 0; i < M; i++) b[i] = rnd_bf16();
+    float *y[3];
+    int fails = 0;
+    for (int isa = 0; isa < 3; isa++) {
+        y[isa] = calloc(M, 4);
+        if (!ulb_isa_supported(isa)) continue;
+        ulb_isa_set(isa);
+        ulb_status st = ulb_gemv_bf16(w, M, K, ldw, x, incx, b, ULB_DT_BF16, y[isa], ULB_DT_F32, 2);
+        if (st) { printf("gemv_bf16 failed %s\n", ulb_status_str(st)); return 1; }
+        if (isa && memcmp(y[0], y[isa], M * 4)) {
+            printf("MISMATCH bf16 gemv M=%ld K=%ld isa=%s\n", (long)M, (long)K, ulb_isa_name(isa));
+            fails++;
+        }
+    }
+    for (int isa = 0; isa < 3; isa++) free(y[isa]);
+    free(w); free(x); free(b);
+    return fails;
+}
+
 int main(void) {
     int fails = 0, n = 0;
     const int64_t Ms[] = {1, 7, 33, 100, 1000};
@@ -54,6 +82,10 @@ int main(void) {
             fails += check(fmt, Ms[a], Ks[b], gss[d], Ns[c]);
             n++;
         }
+    for (int a = 0; a < 5; a++) for (int b = 0; b < 5; b++) {
+        fails += check_bf16(Ms[a], Ks[b], Ks[b] + (a % 2) * 5, 1 + b % 2);
+        n++;
+    }
     printf("%d passed, %d failed\n", n - fails, fails);
     return fails != 0;
 }

@@ -128,14 +128,13 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
  * run as the kernels. */
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum);
 
-/* One token through a plain bf16 weight w (M x K, row stride ldw >= K):
- * y[m] = sum_k w[m,k] x[k*incx] (+ bias[m]) in fp32, in the accumulation
- * order of kernels/ref/gemv_bf16_ref.c, rounded once to y_dt. For the layers
- * left in bf16 (lm_head), which PyTorch's N = 1 bf16 F.linear reads at well
- * below DRAM speed on CPUs without AMX. */
-ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const void *x, ulb_dtype x_dt,
-                         int64_t incx, const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt,
-                         int nthreads);
+/* One token through a plain bf16 weight w (M x K, row stride ldw >= K) and
+ * bf16 activations x: y[m] = sum_k w[m,k] x[k*incx] (+ bias[m]) in fp32, in
+ * the accumulation order of kernels/ref/gemv_bf16_ref.c, rounded once to
+ * y_dt. For the layers left in bf16 (lm_head), which PyTorch's N = 1 bf16
+ * F.linear reads at well below DRAM speed on CPUs without AMX. */
+ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const uint16_t *x, int64_t incx,
+                         const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int nthreads);
 
 /* ---- ISA ----------------------------------------------------------------- */
 

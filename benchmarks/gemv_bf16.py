@@ -1,0 +1,106 @@
+"""One-token bf16 GEMV (torch.ops.ulb.linear_bf16, what nn.LinearBF16 runs for
+the layers left in bf16) against bf16 F.linear and a stream read of the same
+weights, cold, sampled in turn in one run.
+
+Shapes: each config's lm_head (vocab x hidden, a single matrix is far larger
+than L3) and, with --gemv-shapes, the decode shapes of shapes.json.
+
+  python benchmarks/gemv_bf16.py                      # lm_head of every config, 1 and 2 threads
+  python benchmarks/gemv_bf16.py --gemv-shapes --models falcon3-1b
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import MiB  # noqa: E402
+
+import ulbtorch  # noqa: E402
+
+
+def shapes_to_run(doc: dict, models: list[str] | None, gemv_shapes: bool) -> list[tuple[str, str, int, int]]:
+    out = []
+    for name, cfg in doc["configs"].items():
+        if models is None or name in models:
+            out.append((name, "lm_head", cfg["vocab_size"], cfg["hidden_size"]))
+    if gemv_shapes:
+        for name, shapes in doc["gemv_shapes"].items():
+            if models is None or name in models:
+                out += [(name, "gemv", M, K) for M, K in shapes]
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_shapes_arg(p)
+    p.add_argument("--models", help="comma-separated subset of shapes.json's configs / gemv_shapes")
+    p.add_argument("--gemv-shapes", action="store_true", help="also the decode GEMV shapes of shapes.json")
+    p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    p.add_argument("--reps", type=int, default=9, help="rounds of samples (median of per-round ratios)")
+    p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--markdown", help="write the results table as markdown here")
+    args = p.parse_args(argv)
+
+    doc = common.load_shapes(args.shapes)
+    threads = common.parse_list(args.threads, int)
+    env = common.print_environment()
+    if ulbtorch.runtime.get_isa() != "avx512":
+        print("# note: no AVX-512 here, so ulb.linear_bf16 runs its scalar reference (nn.LinearBF16 would "
+              "use F.linear)")
+    table = common.Table([("model", "model", None), ("what", "layer", None), ("shape", "M x K", None),
+                          ("threads", "thr", None), ("rot", "rot", None), ("us", "us ours", ".0f"),
+                          ("us_bf16", "us F.linear", ".0f"), ("gbps", "GB/s ours", ".1f"),
+                          ("gbps_bf16", "GB/s F.linear", ".1f"), ("gbps_stream", "GB/s stream", ".1f"),
+                          ("pct_stream", "% stream", ".0f"), ("pct_stream_bf16", "F.linear % stream", ".0f"),
+                          ("speedup", "x vs F.linear", ".2f")],
+                         title="One-token bf16 GEMV, cold", min_widths=dict(model=16, what=8, shape=12))
+    gen = torch.Generator().manual_seed(0)
+    prev = torch.get_num_threads()
+    try:
+        for model, what, M, K in shapes_to_run(doc, common.parse_list(args.models), args.gemv_shapes):
+            nbytes = M * K * 2
+            count = common.cold_rotation(nbytes)
+            ws = common.replicate([torch.randn(M, K, generator=gen).to(torch.bfloat16)], count)
+            x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+            for nt in threads:
+                torch.set_num_threads(nt)
+                samples = []
+                common.time_interleaved(
+                    [(ws, lambda w: torch.ops.ulb.linear_bf16(x, w, None)), (ws, lambda w: F.linear(x, w)),
+                     (ws, lambda w: ulbtorch.runtime.read_probe(w.view(-1), nt))],
+                    reps=args.reps, samples_out=samples)
+                ours, ref, stream = (statistics.median(s) for s in samples)
+                table.add(dict(model=model, what=what, shape=f"{M}x{K}", threads=nt,
+                               rot=f"{count}x{nbytes / MiB:.1f}M", us=1e6 * ours, us_bf16=1e6 * ref,
+                               gbps=nbytes / ours / 1e9, gbps_bf16=nbytes / ref / 1e9,
+                               gbps_stream=nbytes / stream / 1e9,
+                               pct_stream=100 * common.median_ratio(samples[2], samples[0]),
+                               pct_stream_bf16=100 * common.median_ratio(samples[2], samples[1]),
+                               speedup=common.median_ratio(samples[1], samples[0])), echo=True)
+            del ws
+    finally:
+        torch.set_num_threads(prev)
+
+    notes = []
+    print("\n## Summary (ratios measured in this run)")
+    for nt in threads:
+        rs = [r for r in table.rows if r["threads"] == nt]
+        if rs:
+            line = (f"{nt} thr: ulb.linear_bf16 median {statistics.median(r['pct_stream'] for r in rs):.0f}% of a "
+                    f"stream read of the same weights, F.linear {statistics.median(r['pct_stream_bf16'] for r in rs):.0f}%;"
+                    f" geomean {common.geomean(r['speedup'] for r in rs):.2f}x faster than F.linear, {len(rs)} shapes")
+            print(line)
+            notes.append(line)
+    common.write_outputs([table], json_path=args.json, md_path=args.markdown,
+                         meta=dict(env=env, args=vars(args)), notes=notes)
+
+
+if __name__ == "__main__":
+    main()
