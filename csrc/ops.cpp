@@ -149,6 +149,22 @@ Rows as_rows(const Tensor &x, int64_t K) {
   return {r, N, r.stride(0), r.stride(1)};
 }
 
+// An optional bias of M elements, fp32 or bf16, made contiguous.
+struct Bias {
+  Tensor t;
+  const void *ptr;
+  ulb_dtype dt;
+};
+
+Bias checked_bias(const std::optional<Tensor> &bias, int64_t M, const char *op) {
+  if (!bias.has_value()) return {Tensor(), nullptr, ULB_DT_F32};
+  Tensor b = bias->is_contiguous() ? *bias : torch::stable::contiguous(*bias);
+  check_cpu(b, op, "bias");
+  const ulb_dtype dt = act_dtype(b, op, "bias");
+  STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == M, "ulb.", op, ": bias must have shape [", M, "]");
+  return {b, b.const_data_ptr(), dt};
+}
+
 Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
   const ulb_header h = check_packed(packed, "linear");
   check_cpu(x, "linear", "input");
@@ -159,23 +175,14 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
                   h.K);
   STD_TORCH_CHECK(out_features == h.M, "ulb.linear: out_features=", out_features,
                   " but the packed weight has ", h.M, " rows");
-  ulb_dtype bdt = ULB_DT_F32;
-  const void *bptr = nullptr;
-  Tensor b;
-  if (bias.has_value()) {
-    b = bias->is_contiguous() ? *bias : torch::stable::contiguous(*bias);
-    check_cpu(b, "linear", "bias");
-    bdt = act_dtype(b, "linear", "bias");
-    STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == h.M, "ulb.linear: bias must have shape [", h.M, "]");
-    bptr = b.const_data_ptr();
-  }
+  const Bias b = checked_bias(bias, h.M, "linear");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = h.M;
   Tensor y = new_tensor(shape, x.scalar_type());
   const Rows rows = as_rows(x, K);
   if (rows.N == 0) return y;
   check_ok(ulb_linear(blob_ptr(packed), packed.numel(), rows.N, rows.t.const_data_ptr(), xdt, rows.ld,
-                      rows.inc, bptr, bdt, y.mutable_data_ptr(), xdt, h.M,
+                      rows.inc, b.ptr, b.dt, y.mutable_data_ptr(), xdt, h.M,
                       static_cast<int>(torch::stable::get_num_threads())),
            "linear");
   return y;
@@ -232,16 +239,7 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
                   dtype_name(x.scalar_type()));
   STD_TORCH_CHECK(x.dim() >= 1 && x.size(x.dim() - 1) == K, "ulb.linear_bf16: input has ",
                   x.dim() ? x.size(x.dim() - 1) : 0, " features but the weight expects ", K);
-  ulb_dtype bdt = ULB_DT_F32;
-  const void *bptr = nullptr;
-  Tensor b;
-  if (bias.has_value()) {
-    b = bias->is_contiguous() ? *bias : torch::stable::contiguous(*bias);
-    check_cpu(b, "linear_bf16", "bias");
-    bdt = act_dtype(b, "linear_bf16", "bias");
-    STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == M, "ulb.linear_bf16: bias must have shape [", M, "]");
-    bptr = b.const_data_ptr();
-  }
+  const Bias b = checked_bias(bias, M, "linear_bf16");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = M;
   Tensor y = new_tensor(shape, x.scalar_type());
@@ -249,8 +247,8 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   const int nthreads = static_cast<int>(torch::stable::get_num_threads());
   for (int64_t n = 0; n < rows.N; n++)
     check_ok(ulb_gemv_bf16(static_cast<const uint16_t *>(weight.const_data_ptr()), M, K, weight.stride(0),
-                           static_cast<const uint16_t *>(rows.t.const_data_ptr()) + n * rows.ld, rows.inc, bptr,
-                           bdt, static_cast<uint16_t *>(y.mutable_data_ptr()) + n * M, ULB_DT_BF16, nthreads),
+                           static_cast<const uint16_t *>(rows.t.const_data_ptr()) + n * rows.ld, rows.inc, b.ptr,
+                           b.dt, static_cast<uint16_t *>(y.mutable_data_ptr()) + n * M, ULB_DT_BF16, nthreads),
              "linear_bf16");
   return y;
 }
