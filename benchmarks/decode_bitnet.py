@@ -61,6 +61,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16-gemv", action="store_true",
+                   help="also time the imported model with ulbtorch.bf16_gemv_ (its bf16 lm_head on the bf16 GEMV)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     common.print_environment()
@@ -89,6 +91,9 @@ def main(argv=None):
         gc.collect()
         tern = load_bitnet_checkpoint(tmp, dtype=torch.bfloat16)
         record("ternary (HF BitNet import)", tern)
+        if args.bf16_gemv:
+            ulbtorch.bf16_gemv_(tern)
+            record("ternary import +bf16 gemv", tern)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base = rows[0]["tps"]
