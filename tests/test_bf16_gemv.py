@@ -159,7 +159,7 @@ def test_module_without_a_vector_kernel_is_f_linear(gen):
     with runtime.use_isa("scalar"):
         assert not runtime.bf16_gemv_native
         assert torch.equal(layer(x1), lin(x1))
-    assert runtime.bf16_gemv_native == (runtime.get_isa() == "avx512")
+    assert runtime.bf16_gemv_native == (runtime.get_isa() != "scalar")
 
 
 def test_module_compiles(gen):

@@ -75,13 +75,13 @@ def set_isa(name: str) -> None:
         raise ValueError(f"unknown ISA {name!r}; choose from {ISAS}")
     if _lib.ulb_isa_set(ISAS.index(name)) != 0:
         raise RuntimeError(f"ISA {name!r} is not supported on this CPU (supported: {supported_isas()})")
-    bf16_gemv_native = name == "avx512"
+    bf16_gemv_native = name != "scalar"
 
 
-# Whether the active ISA has a vector kernel for ulb.linear_bf16 (AVX-512);
-# without one nn.LinearBF16 leaves the call to F.linear. Kept in Python so
-# that the per-call check is a global read.
-bf16_gemv_native = get_isa() == "avx512"
+# Whether the active ISA has a vector kernel for ulb.linear_bf16 (AVX2 or
+# AVX-512); without one nn.LinearBF16 leaves the call to F.linear. Kept in
+# Python so that the per-call check is a global read.
+bf16_gemv_native = get_isa() != "scalar"
 
 
 @contextlib.contextmanager

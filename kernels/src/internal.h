@@ -120,6 +120,8 @@ void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t r
                             float *out);
 void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                                float *out);
+void ulb_gemv_bf16_rows_avx2(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                             float *out);
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa);
 
 /* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */

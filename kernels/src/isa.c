@@ -18,7 +18,7 @@ int ulb_isa_supported(ulb_isa isa) {
     __builtin_cpu_init();
     switch (isa) {
     case ULB_ISA_SCALAR: return 1;
-    case ULB_ISA_AVX2: return __builtin_cpu_supports("avx2");
+    case ULB_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case ULB_ISA_AVX512:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -106,9 +106,11 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
 }
 
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa) {
+    switch (isa) {
 #if defined(__x86_64__)
-    if (isa == ULB_ISA_AVX512) return ulb_gemv_bf16_rows_avx512;
+    case ULB_ISA_AVX512: return ulb_gemv_bf16_rows_avx512;
+    case ULB_ISA_AVX2: return ulb_gemv_bf16_rows_avx2;
 #endif
-    (void)isa;
-    return ulb_gemv_bf16_rows_ref; /* AVX2: not written; the Python layer keeps F.linear there */
+    default: return ulb_gemv_bf16_rows_ref;
+    }
 }

@@ -19,9 +19,9 @@ _BIAS_DTYPES = (torch.float32, torch.bfloat16)
 
 class LinearBF16(nn.Linear):
     """Same parameters, state_dict and results as the nn.Linear it wraps,
-    to fp32 summation order. One-token bf16 input on a CPU with AVX-512 goes
-    through the GEMV; everything else (prefill, other dtypes or devices) is
-    F.linear."""
+    to fp32 summation order. One-token bf16 input on a CPU with AVX2 or
+    AVX-512 goes through the GEMV; everything else (prefill, other dtypes or
+    devices) is F.linear."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "LinearBF16":
