@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from ulbtorch import UlbConfig  # noqa: E402
 from ulbtorch.importers import convert_bitnet_model  # noqa: E402
-from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary  # noqa: E402
+from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearBF16, LinearTernary  # noqa: E402
 
 from test_importers import make_checkpoint  # noqa: E402
 
@@ -41,6 +41,21 @@ def test_quantize_on_load_then_save_and_reload_bit_exact(float_dir, tmp_path, bi
     assert isinstance(layer, cls)
     assert torch.equal(layer.packed, model.model.layers[1].mlp.down_proj.packed)
     assert torch.equal(again(ids).logits, logits)
+
+
+def test_bf16_gemv_option_survives_save_and_reload(float_dir, tmp_path):
+    cfg = UlbConfig(bits=2, bf16_gemv=True)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16, quantization_config=cfg)
+    assert type(model.lm_head) is LinearBF16
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["bf16_gemv"] is True
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert type(again.lm_head) is LinearBF16
+    ids = torch.randint(0, 300, (1, 5))
+    assert torch.equal(again.generate(ids, max_new_tokens=3, do_sample=False),
+                       model.generate(ids, max_new_tokens=3, do_sample=False))
+    plain = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=2))
+    assert type(plain.lm_head) is torch.nn.Linear
 
 
 def test_bad_config_is_rejected():

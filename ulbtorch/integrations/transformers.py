@@ -13,7 +13,7 @@ from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..nn import MODULE_FOR_FORMAT, LowBitLinear, replace_module
+from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
 from ..quantize import QuantConfig, quantize_
 
 QUANT_METHOD = "ulb"
@@ -23,10 +23,11 @@ QUANT_METHOD = "ulb"
 class UlbConfig(QuantizationConfigMixin):
     """bits: 1, "ternary" or 2 (or format: "int2_sym" | "int2" | "ternary" |
     "binary"); group_size 0 = per output channel; modules_to_not_convert:
-    fnmatch patterns kept in float (default lm_head)."""
+    fnmatch patterns kept in float (default lm_head); bf16_gemv: run the
+    layers kept in bf16 through nn.LinearBF16 (see QuantConfig)."""
 
     def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
-                 modules_to_not_convert=None, **kwargs):
+                 modules_to_not_convert=None, bf16_gemv=False, **kwargs):
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -38,11 +39,12 @@ class UlbConfig(QuantizationConfigMixin):
                         method=method, exclude=self.modules_to_not_convert)
         self.bits, self.format, self.group_size = q.bits, q.format, q.group_size
         self.granularity, self.method = q.granularity, q.method
+        self.bf16_gemv = bool(bf16_gemv)
 
     def to_quant_config(self) -> QuantConfig:
         return QuantConfig(bits=self.bits, format=self.format, group_size=self.group_size,
                            granularity=self.granularity, method=self.method,
-                           exclude=self.modules_to_not_convert)
+                           exclude=self.modules_to_not_convert, bf16_gemv=self.bf16_gemv)
 
 
 @register_quantizer(QUANT_METHOD)
@@ -69,6 +71,8 @@ class UlbHfQuantizer(HfQuantizer):
             why = isinstance(m, LowBitLinear) and m.packed_mismatch()
             if why:
                 raise ValueError(f"{name}: the checkpoint disagrees with its quantization_config: {why}")
+        if self.quantization_config.bf16_gemv:
+            bf16_gemv_(model)
         return model
 
     def is_serializable(self, **kwargs):
