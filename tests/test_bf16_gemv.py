@@ -189,3 +189,16 @@ def test_quantize_with_bf16_gemv_on_a_hf_model():
         h = model.model(out[:, :-1]).last_hidden_state[:, -1:]
         _check_close(model.lm_head(h).reshape(1, -1), h.reshape(1, -1), stock_lm_head.weight, None)
     assert ulbtorch.bf16_gemv_(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].__class__ is torch.nn.Linear
+
+
+def test_bf16_gemv_include_exclude():
+    def model():
+        return torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8).to(torch.bfloat16),
+                                    "b": torch.nn.Linear(8, 8).to(torch.bfloat16),
+                                    "f": torch.nn.Linear(8, 8)})
+    m = ulbtorch.bf16_gemv_(model())
+    assert [type(m[k]) for k in "abf"] == [LinearBF16, LinearBF16, torch.nn.Linear]  # fp32 stays
+    m = ulbtorch.bf16_gemv_(model(), include=["a", "f"])
+    assert [type(m[k]) for k in "abf"] == [LinearBF16, torch.nn.Linear, torch.nn.Linear]
+    m = ulbtorch.bf16_gemv_(model(), exclude=["a"])
+    assert [type(m[k]) for k in "abf"] == [torch.nn.Linear, LinearBF16, torch.nn.Linear]

@@ -47,7 +47,7 @@ ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, c
     }
     const ulb_isa isa = ulb_isa_active();
     const bf16_job job = {w, ldw, M, K, xc ? xc : x, bias, bias_dt, y, y_dt, ulb_gemv_bf16_rows_for_isa(isa)};
-    if (M * K * 2 < 64 * 1024) nthreads = 1; /* as in ulb_linear: a second thread costs more */
+    if (M * K * 2 < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
     const ulb_status st = ulb_parallel(ulb_sched_family(16, isa), nthreads, (M + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT,
                                        bf16_units, (void *)&job);
     ulb_aligned_free(xc);

@@ -134,6 +134,8 @@ ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w);
 /* Thread pool: runs fn over [0, nwork) panels split across nthreads by the
  * scheduler table of `family`; fn(ctx, begin, end) per thread. */
 typedef void (*ulb_range_fn)(void *ctx, int64_t begin, int64_t end);
+/* Below this many weight bytes (x tokens) a second thread costs more than it saves. */
+#define ULB_PARALLEL_MIN_BYTES (64 * 1024)
 ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn, void *ctx);
 int ulb_sched_family(int bits, ulb_isa isa);
 

@@ -108,9 +108,6 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     }
 }
 
-/* Below this many code bytes x tokens a second thread costs more than it saves. */
-#define ULB_PARALLEL_MIN_BYTES (64 * 1024)
-
 ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void *x,
                       ulb_dtype x_dt, int64_t ldx, int64_t incx, const void *bias,
                       ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int64_t ldy, int nthreads) {
