@@ -157,8 +157,9 @@ def main(argv=None):
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize lm_head too (quantize_ leaves it in bf16 by default)")
     p.add_argument("--bf16-gemv", action="store_true",
-                   help="also time each quantized variant with ulbtorch.bf16_gemv_ applied (the layers left in "
-                        "bf16, lm_head, through ulbtorch's one-token bf16 GEMV)")
+                   help="also time the bf16 model and each quantized variant with ulbtorch.bf16_gemv_ applied "
+                        "(the bf16 linear layers, for quantized models lm_head, through ulbtorch's one-token bf16 "
+                        "GEMV)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads (default: current)")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt token ids (default 16)")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens = min_new_tokens (default 32)")
@@ -268,6 +269,11 @@ def main(argv=None):
                                  if type(m) is nn.Linear else None)
         total, parts = profile_decode(base, ids, args.tokens, cls_bf16)
         prof["bf16"] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
+    if args.bf16_gemv:  # the bf16 model itself with every linear layer on ulbtorch's bf16 GEMV
+        gm = ulbtorch.bf16_gemv_(copy.deepcopy(base))
+        run_variant("bf16 +bf16 gemv", gm)
+        del gm
+        gc.collect()
 
     # -- quantized variants -----------------------------------------------------------
     for fmt in formats:
