@@ -144,12 +144,27 @@ def test_module_routes_one_token_to_the_gemv(gen):
     assert layer.state_dict().keys() == lin.state_dict().keys()
     x1 = torch.randn(1, 1, 96, generator=gen).to(torch.bfloat16)
     xn = torch.randn(2, 5, 96, generator=gen).to(torch.bfloat16)
-    if runtime.bf16_gemv_native:
-        assert torch.equal(layer(x1), torch.ops.ulb.linear_bf16(x1, lin.weight, lin.bias))
-    _check_close(layer(x1).reshape(1, 40), x1.reshape(1, 96), lin.weight, lin.bias)
-    assert torch.equal(layer(xn), lin(xn))  # prefill: F.linear itself
+    with torch.no_grad():  # inference: the GEMV
+        if runtime.bf16_gemv_native:
+            assert torch.equal(layer(x1), torch.ops.ulb.linear_bf16(x1, lin.weight, lin.bias))
+        _check_close(layer(x1).reshape(1, 40), x1.reshape(1, 96), lin.weight.detach(), lin.bias.detach())
+        assert torch.equal(layer(xn), lin(xn))  # prefill: F.linear itself
     with pytest.raises(RuntimeError):  # dtype mismatch, exactly as nn.Linear
         layer(x1.float())
+
+
+def test_module_keeps_autograd_working(gen):
+    lin = _bf16_linear(gen)
+    layer = LinearBF16.from_linear(lin)
+    x1 = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
+    y = layer(x1)  # grad enabled, weight requires grad: F.linear, differentiable
+    assert y.grad_fn is not None and torch.equal(y, lin(x1))
+    y.float().sum().backward()
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, x1.expand(40, 96).to(lin.weight.grad.dtype))
+    with torch.no_grad():
+        z = layer(x1)
+    if runtime.bf16_gemv_native:
+        assert torch.equal(z, torch.ops.ulb.linear_bf16(x1, lin.weight.detach(), lin.bias.detach()))
 
 
 def test_module_without_a_vector_kernel_is_f_linear(gen):
@@ -166,7 +181,9 @@ def test_module_compiles(gen):
     layer = LinearBF16.from_linear(_bf16_linear(gen))
     x1 = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
     fn = torch.compile(layer, fullgraph=True, backend="eager")
-    assert torch.equal(fn(x1), layer(x1))
+    with torch.no_grad():  # the op path, traced through its fake impl
+        assert torch.equal(fn(x1), layer(x1))
+    assert torch.equal(fn(x1), layer(x1))  # and the autograd (F.linear) path
 
 
 def test_quantize_with_bf16_gemv_on_a_hf_model():

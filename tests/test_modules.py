@@ -194,6 +194,33 @@ def test_half_precision_inputs(gen, cls, fmt, dtype):
     _close(layer(x), y, rel=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_backward_goes_straight_through_the_activation_rounding(gen, cls, fmt, dtype):
+    """With autograd recording, kernel and reference paths give dx = dy W and
+    db = sum(dy) (W dequantised; the int8 rounding passed straight through),
+    and the forward values are those of inference."""
+    _, layer = _layer(gen, cls, fmt)
+    layer.bias.requires_grad_(True)
+    x0 = torch.randn(2, 3, K_IN, generator=gen).to(dtype)
+    gy = torch.randn(2, 3, M_OUT, generator=gen)
+    W = layer.dequantize()
+    with torch.no_grad():
+        y_inference = layer(x0)
+    for reference in (False, True):
+        layer.force_reference = reference
+        x = x0.clone().requires_grad_(True)
+        y = layer(x)
+        if not reference:
+            assert torch.equal(y, y_inference)
+        y.backward(gy.to(dtype))
+        want = (gy.to(dtype).float() @ W).to(dtype)
+        _close(x.grad, want, rel=1e-2 if dtype != torch.float32 else 1e-6)
+        _close(layer.bias.grad, gy.to(dtype).float().sum((0, 1)), rel=1e-2 if dtype != torch.float32 else 1e-6)
+        layer.bias.grad = None
+    layer.force_reference = False
+
+
 def test_bf16_module(gen):
     """model.to(bfloat16): the bias turns bf16, the packed bytes must not change."""
     _, layer = _layer(gen, LinearTernary, "ternary")

@@ -20,8 +20,9 @@ _BIAS_DTYPES = (torch.float32, torch.bfloat16)
 class LinearBF16(nn.Linear):
     """Same parameters, state_dict and results as the nn.Linear it wraps,
     to fp32 summation order. One-token bf16 input on a CPU with AVX2 or
-    AVX-512 goes through the GEMV; everything else (prefill, other dtypes or
-    devices) is F.linear."""
+    AVX-512 goes through the GEMV when no gradient is recorded (inference:
+    torch.no_grad, generate); everything else (prefill, training, other
+    dtypes or devices) is F.linear."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "LinearBF16":
@@ -33,9 +34,12 @@ class LinearBF16(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]
+        # The op has no backward: where autograd records, F.linear serves.
         if (runtime.bf16_gemv_native and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
                 and x.is_cpu and w.is_cpu and x.numel() == self.in_features == x.shape[-1]
-                and w.stride(1) == 1 and (b is None or b.dtype in _BIAS_DTYPES)):
+                and w.stride(1) == 1 and (b is None or b.dtype in _BIAS_DTYPES)
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
+                                                      or (b is not None and b.requires_grad)))):
             return _linear_bf16(x, w, b)
         return F.linear(x, w, b)
 

@@ -19,6 +19,42 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ulb_linear = torch.ops.ulb.linear.default
 
 
+class _KernelLinear(torch.autograd.Function):
+    """ulb.linear with a backward, for when autograd records: the gradient
+    goes straight through the int8 rounding of the activations (as in
+    BitNet's training), dx = dy W with W the dequantised weight."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer):
+        ctx.layer, ctx.x_dtype = layer, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _ulb_linear(x, layer._buffers["packed"], bias, layer.out_features)
+
+    @staticmethod
+    def backward(ctx, gy):
+        gx = (gy.float() @ ctx.layer._dequantized(gy.device)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        gb = gy.reshape(-1, gy.shape[-1]).float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
+        return gx, gb, None
+
+
+def _kernel_linear(layer, x, bias):
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _KernelLinear.apply(x, bias, layer)
+    return _ulb_linear(x, layer._buffers["packed"], bias, layer.out_features)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """The kernels' activation rounding, forward bit for bit; backward the identity."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return ops.fake_quantize_activations(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 class LowBitLinear(nn.Module):
     """Common base: one packed uint8 buffer holds codes, scales and a header."""
 
@@ -100,28 +136,31 @@ class LowBitLinear(nn.Module):
         bias = self._parameters["bias"]
         if (x.dtype in _KERNEL_DTYPES and x.is_cpu and x.shape[-1] == self.in_features
                 and not self.force_reference and (bias is None or bias.dtype in _KERNEL_DTYPES)):
-            return _ulb_linear(x, self._buffers["packed"], bias, self.out_features)
+            return _kernel_linear(self, x, bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, "
                              f"got input of shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} takes floating-point input, got {x.dtype}")
         if x.device.type == "cpu" and not self.force_reference:
-            bias = None if self.bias is None else self.bias.float()
-            return torch.ops.ulb.linear(x.float(), self.packed, bias, self.out_features).to(x.dtype)
+            return _kernel_linear(self, x.float(), None if bias is None else bias.float()).to(x.dtype)
         return self._reference_forward(x)
 
 
-    def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _dequantized(self, device) -> torch.Tensor:
+        """dequantize() on `device`, cached while `packed` is the same tensor, unmodified."""
         packed = self._buffers["packed"]
-        # Valid while `packed` is the same tensor, unmodified.
-        key = (x.device, packed.data_ptr(), packed._version)
+        key = (device, packed.data_ptr(), packed._version)
         w = self._dequant_cache.get(key)
         if w is None:
             self._require_packed()
-            w = self.dequantize().to(x.device)
+            w = self.dequantize().to(device)
             self._dequant_cache = {key: w}
-        xq = ops.fake_quantize_activations(x)
+        return w
+
+    def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._dequantized(x.device)
+        xq = _FakeQuantSTE.apply(x) if torch.is_grad_enabled() else ops.fake_quantize_activations(x)
         bias = None if self.bias is None else self.bias.float()
         return torch.nn.functional.linear(xq, w, bias).to(x.dtype)
 
