@@ -32,7 +32,9 @@ class _KernelLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        gx = (gy.float() @ ctx.layer._dequantized(gy.device)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        # Dequantised afresh each time: caching fp32 weights would hold 16x the
+        # packed bytes of every layer for as long as training runs.
+        gx = (gy.float() @ ctx.layer.dequantize()).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         gb = gy.reshape(-1, gy.shape[-1]).float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
         return gx, gb, None
 
