@@ -267,17 +267,18 @@ def test_runtime_controls():
 
 
 def test_lut1_switch(monkeypatch):
-    at_load = os.environ.get("ULB_LUT1") == "1"
-    assert runtime.lut1_enabled() == at_load, "the 1-bit lookup-table kernel is off unless ULB_LUT1=1"
+    at_load = os.environ.get("ULB_LUT1") != "0" and runtime.lut1_available()
+    assert runtime.lut1_enabled() == at_load, "the 1-bit lookup-table kernel is on where it can run, unless ULB_LUT1=0"
     if runtime.lut1_available():
         with runtime.use_lut1(not at_load):
             assert runtime.lut1_enabled() != at_load
         assert runtime.lut1_enabled() == at_load
-        env = dict(os.environ, ULB_LUT1="1")
+        env = dict(os.environ, ULB_LUT1="0")
         out = subprocess.run([sys.executable, "-c", "import ulbtorch; print(ulbtorch.runtime.lut1_enabled())"],
                              capture_output=True, text=True, timeout=120, env=env)
-        assert out.stdout.strip() == "True", out.stderr
+        assert out.stdout.strip() == "False", out.stderr
     monkeypatch.setattr(runtime, "lut1_available", lambda: False)
+    assert not runtime.lut1_enabled()
     with pytest.raises(RuntimeError, match="needs AVX-512 VBMI"):
         runtime.set_lut1(True)
     runtime.set_lut1(False)  # turning it off is always allowed

@@ -13,15 +13,15 @@ from ulbtorch import ops, runtime
 from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
 
 ISAS = runtime.supported_isas()
-# Kernel sets under test: every ISA, and AVX-512 with the 1-bit lookup-table
-# kernel switched on (one-token, one-thread 1-bit calls; off by default).
-KERNELS = ISAS + (["avx512+lut1"] if runtime.lut1_available() else [])
+# Kernel sets under test: every ISA (AVX-512 with the 1-bit lookup-table
+# kernel where it can run, the default), and AVX-512 with it switched off.
+KERNELS = ISAS + (["avx512+nolut1"] if runtime.lut1_available() else [])
 FMTS = list(FORMATS)
 MS = (1, 7, 33, 100, 1000)
 KS = (1, 16, 33, 257, 4097)
-# 1: the one-token kernels (for 1-bit codes under "avx512+lut1", the lookup
-# tables); 5 = 4 + 1: a one-token tail after four tokens, never with tables;
-# 2, 7: two and three tokens.
+# 1: the one-token kernels (for 1-bit codes on "avx512", the lookup tables;
+# on "avx512+nolut1", masking); 5 = 4 + 1: a one-token tail after four
+# tokens, never with tables; 2, 7: two and three tokens.
 NS = (1, 2, 5, 7, 64)
 GROUP_SIZES = (0, 32, 128)
 
@@ -39,13 +39,13 @@ def _gen(*key):
 # shape serve every ISA before the next shape is built.
 GRID = [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
         for fmt in FMTS for M in MS for K in KS for gs in GROUP_SIZES for isa in KERNELS
-        if fmt == "binary" or "+lut1" not in isa]
+        if fmt == "binary" or "+nolut1" not in isa]
 
 
 @contextlib.contextmanager
 def use_kernels(name):
     isa, _, variant = name.partition("+")
-    with runtime.use_isa(isa), runtime.use_lut1(variant == "lut1"):
+    with runtime.use_isa(isa), runtime.use_lut1(variant != "nolut1" and runtime.lut1_available()):
         yield
 
 

@@ -101,15 +101,16 @@ def lut1_available() -> bool:
 
 
 def lut1_enabled() -> bool:
-    return bool(_lib.ulb_lut1_enabled())
+    """Whether one-token, one-thread 1-bit GEMVs run the lookup-table kernel."""
+    return bool(_lib.ulb_lut1_enabled()) and lut1_available()
 
 
 def set_lut1(on: bool) -> None:
-    """Run one-token, one-thread 1-bit GEMVs with the lookup-table kernel
-    (after T-MAC) instead of the default masking kernel. It is 1.15-1.35x
-    faster when the weights come from cache, so it pays for 1-bit models that
-    fit in the last-level cache; streaming from DRAM it is mostly slower, hence
-    off by default. ULB_LUT1=1 in the environment turns it on at load."""
+    """The 1-bit lookup-table kernel (after T-MAC) for one-token, one-thread
+    GEMVs, on by default where AVX-512 VBMI exists; off, the masking kernel
+    serves. In cache the tables run 1.26x faster; streaming from DRAM the two
+    trade places with the machine's state (benchmarks/results/README.md).
+    ULB_LUT1=0 in the environment turns it off at load."""
     if on and not lut1_available():
         raise RuntimeError("the 1-bit lookup-table kernel needs AVX-512 VBMI, which this CPU lacks")
     _lib.ulb_lut1_enable(int(bool(on)))

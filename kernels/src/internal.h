@@ -103,7 +103,7 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of
  * ULB_LUT1_STEP_BYTES per 32 columns, built once per call; AVX-512 VBMI only,
- * used when enabled (ulb_lut1_enable). ulb_lut1_group_avx512 sums k-steps
+ * used unless disabled (ulb_lut1_enable). ulb_lut1_group_avx512 sums k-steps
  * [ks0, ks1) of one group whose codes start at `codes`. */
 #define ULB_LUT1_STEP_BYTES 256
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);

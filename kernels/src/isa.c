@@ -30,7 +30,7 @@ int ulb_isa_supported(ulb_isa isa) {
 }
 
 static _Atomic int active_isa = -1;
-static _Atomic int lut1_on;
+static _Atomic int lut1_on = 1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
 static void isa_init(void) {
@@ -38,7 +38,7 @@ static void isa_init(void) {
     if (ulb_isa_supported(ULB_ISA_AVX2)) best = ULB_ISA_AVX2;
     if (ulb_isa_supported(ULB_ISA_AVX512)) best = ULB_ISA_AVX512;
     const char *lut = getenv("ULB_LUT1");
-    atomic_store(&lut1_on, lut && !strcmp(lut, "1"));
+    if (lut && !strcmp(lut, "0")) atomic_store(&lut1_on, 0);
     const char *env = getenv("ULB_ISA");
     if (env)
         for (int i = 0; i <= ULB_ISA_AVX512; i++)

@@ -3,8 +3,8 @@
  * vpdpbusd sums 16 weights per row instead of 4. On Zen 4 this runs 1-bit
  * codes 1.2-1.3x faster in cache than masking fields for vpdpbusd
  * (benchmarks/c/kernel_hot.c) and stays exact: every table entry fits a byte.
- * From DRAM it streams no faster than the masking kernel, so linear.c uses it
- * for one token on one thread only when enabled (ulb_lut1_enable).
+ * From DRAM the two kernels trade places with the machine's state (ulb.h);
+ * linear.c uses it for one token on one thread unless disabled.
  *
  * Tables, per token and k-step ks (32 columns), ULB_LUT1_STEP_BYTES bytes:
  * four 64-byte tables [L lo, H lo, L hi, H hi], entry e = 16*b + n:

@@ -146,11 +146,12 @@ int ulb_isa_supported(ulb_isa isa);
 ulb_status ulb_isa_set(ulb_isa isa);
 const char *ulb_isa_name(ulb_isa isa);
 
-/* The one-token, one-thread 1-bit GEMV by table lookup (AVX-512 VBMI). In
- * cache it runs 1.15-1.35x faster than the default masking kernel; streaming
- * from DRAM it runs 0.95-1.12x as fast (mostly slower from K = 2560 up), so it
- * is off unless enabled: for 1-bit models whose weights fit in the last-level
- * cache. ULB_LUT1=1 in the environment enables it at load. */
+/* The one-token, one-thread 1-bit GEMV by table lookup (AVX-512 VBMI), on
+ * unless disabled (ULB_LUT1=0 in the environment at load, or this call): the
+ * masking kernel then serves. In cache the tables run 1.26x faster; from
+ * DRAM the two trade places with the machine's state (on the development
+ * VM, 0.90-1.07x either way in one process, the tables ahead when one core
+ * can draw more bandwidth). ulb_lut1_enabled reports the setting. */
 void ulb_lut1_enable(int on);
 int ulb_lut1_enabled(void);
 int ulb_lut1_available(ulb_isa isa); /* whether this CPU can run it under `isa` */
