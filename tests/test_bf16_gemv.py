@@ -90,6 +90,8 @@ def test_threads_do_not_change_the_result(gen):
         one = ops.linear_bf16(x, w, b)
         torch.set_num_threads(2)
         assert torch.equal(ops.linear_bf16(x, w, b), one)
+        stats = runtime.scheduler_stats(16)  # the bf16 GEMV's own split table
+        assert stats["calls"] >= 1 and stats["nthreads"] == 2 and abs(sum(stats["ratio"]) - 1) < 1e-9
     finally:
         torch.set_num_threads(prev)
 
