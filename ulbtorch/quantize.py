@@ -1,13 +1,13 @@
 """One call to turn the nn.Linear layers of a model into low-bit layers."""
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
 from .formats import FORMATS
 from .nn import MODULE_FOR_FORMAT, bf16_gemv_, replace_module
+from .nn.replace import name_selected
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym"}
@@ -61,8 +61,7 @@ class QuantConfig:
         return dict(group_size=0, granularity=granularity)
 
     def selects(self, name: str) -> bool:
-        match = lambda pats: any(fnmatch.fnmatchcase(name, p) for p in pats)  # noqa: E731
-        return match(self.include) and not match(self.exclude)
+        return name_selected(name, self.include, self.exclude)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -4,14 +4,12 @@ as lm_head, which PyTorch's bf16 F.linear reads at well below DRAM speed when
 there is one token (decode) on CPUs without AMX."""
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import runtime
-from .replace import replace_module
+from .replace import name_selected, replace_module
 
 _linear_bf16 = torch.ops.ulb.linear_bf16.default
 _BIAS_DTYPES = (torch.float32, torch.bfloat16)
@@ -49,10 +47,9 @@ def bf16_gemv_(model: nn.Module, *, include: list[str] | None = None, exclude: l
     """Swap, in place, every nn.Linear of `model` with a bf16 weight (names
     matching `include`, default all, and not `exclude`, fnmatch patterns) for
     a LinearBF16 sharing its parameters; returns the model."""
-    match = lambda name, pats: any(fnmatch.fnmatchcase(name, p) for p in pats)  # noqa: E731
     targets = [(n, m) for n, m in model.named_modules()
                if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16
-               and match(n, include or ["*"]) and not match(n, exclude or [])]
+               and name_selected(n, include or ["*"], exclude or [])]
     for name, lin in targets:
         replace_module(model, name, LinearBF16.from_linear(lin))
     return model
