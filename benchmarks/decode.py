@@ -215,7 +215,8 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(3, cfg["vocab_size"], (1, args.prompt_len), generator=gen)
 
-    qcfg_kw = dict(group_size=args.group_size)
+    # lm_head stock here; --bf16-gemv adds each variant again with quantize_'s default (lm_head on the GEMV).
+    qcfg_kw = dict(group_size=args.group_size, bf16_gemv=False)
     if args.quantize_lm_head:
         qcfg_kw["exclude"] = []
 

@@ -5,9 +5,10 @@ What it does, step by step:
   1. builds a small Llama model (hidden 1024, 8 layers, vocab 32000) from a
      config with random bf16 weights (no download needed),
   2. times greedy decoding in bf16,
-  3. ulbtorch.quantize_(copy, bits=2): every nn.Linear except lm_head becomes
-     a 2-bit layer running ulbtorch's C kernels; times decoding again, then
-     once more with ulbtorch.bf16_gemv_ (the bf16 lm_head on ulbtorch's GEMV),
+  3. ulbtorch.quantize_(copy, bits=2, bf16_gemv=False): every nn.Linear
+     except lm_head becomes a 2-bit layer running ulbtorch's C kernels; times
+     decoding again, then once more with ulbtorch.bf16_gemv_ (the bf16 lm_head
+     on ulbtorch's GEMV), which quantize_ does by default,
   4. checks fidelity: the C kernels against ulbtorch's pure-PyTorch reference
      of the same quantized model, and the quantized model against bf16,
   5. saves the quantized model with ulbtorch.save_quantized and loads it back
@@ -119,9 +120,9 @@ def main():
     # 3. Quantize a copy ---------------------------------------------------------------
     print(f"\n[3] quantizing a copy to {label} weights (round to nearest, per-channel scales) ...", flush=True)
     t0 = time.perf_counter()
-    qmodel = ulbtorch.quantize_(copy.deepcopy(model), bits=bits)
+    qmodel = ulbtorch.quantize_(copy.deepcopy(model), bits=bits, bf16_gemv=False)
     n_low = sum(isinstance(m, ulbtorch.LowBitLinear) for m in qmodel.modules())
-    print(f"    ulbtorch.quantize_(model, bits={bits!r}): {n_low} linear layers replaced in "
+    print(f"    ulbtorch.quantize_(model, bits={bits!r}, bf16_gemv=False): {n_low} linear layers replaced in "
           f"{time.perf_counter() - t0:.1f} s; model {size_mib(model):.0f} -> {size_mib(qmodel):.0f} MiB "
           "(embeddings and lm_head stay bf16)")
     print(f"    e.g. model.layers[0].mlp.down_proj = {qmodel.model.layers[0].mlp.down_proj}")
@@ -129,7 +130,8 @@ def main():
     print(f"    quantized greedy decode: {tps_q:6.1f} tokens/s  ->  speed-up {tps_q / tps_bf16:.2f}x over bf16")
     ulbtorch.bf16_gemv_(qmodel)  # the bf16 lm_head: one-token calls on ulbtorch's bf16 GEMV
     tps_g, _ = decode_tokens_per_s(qmodel, prompt, args.tokens)
-    print(f"    + ulbtorch.bf16_gemv_(model), lm_head (still bf16) on ulbtorch's bf16 GEMV: {tps_g:6.1f} tokens/s"
+    print(f"    + ulbtorch.bf16_gemv_(model), lm_head (still bf16) on ulbtorch's bf16 GEMV, as quantize_ does by "
+          f"default: {tps_g:6.1f} tokens/s"
           f"  ->  {tps_g / tps_bf16:.2f}x")
 
     # 4. Fidelity ----------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """torch.ops.ulb.linear_bf16: the one-token GEMV over a plain bf16 weight.
 Every ISA equals the scalar reference bit for bit; all agree with a float64
 F.linear within the fp32 summation bound; bad input is a clear error."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,7 +199,9 @@ def test_quantize_with_bf16_gemv_on_a_hf_model():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
     stock_lm_head = model.lm_head
-    ulbtorch.quantize_(model, bits=2, bf16_gemv=True)
+    plain = ulbtorch.quantize_(copy.deepcopy(model), bits=2, bf16_gemv=False)
+    assert type(plain.lm_head) is torch.nn.Linear
+    ulbtorch.quantize_(model, bits=2)  # bf16_gemv is on by default
     assert type(model.lm_head) is LinearBF16
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     assert not any(type(m) is torch.nn.Linear for m in model.modules())

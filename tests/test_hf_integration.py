@@ -44,7 +44,8 @@ def test_quantize_on_load_then_save_and_reload_bit_exact(float_dir, tmp_path, bi
 
 
 def test_bf16_gemv_option_survives_save_and_reload(float_dir, tmp_path):
-    cfg = UlbConfig(bits=2, bf16_gemv=True)
+    cfg = UlbConfig(bits=2)  # bf16_gemv on by default
+    assert cfg.bf16_gemv is True
     model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16, quantization_config=cfg)
     assert type(model.lm_head) is LinearBF16
     model.save_pretrained(tmp_path)
@@ -55,7 +56,13 @@ def test_bf16_gemv_option_survives_save_and_reload(float_dir, tmp_path):
     assert torch.equal(again.generate(ids, max_new_tokens=3, do_sample=False),
                        model.generate(ids, max_new_tokens=3, do_sample=False))
     plain = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=2))
+    assert type(plain.lm_head) is torch.nn.Linear  # fp32: only bf16 layers take the GEMV
+    plain = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16,
+                                                 quantization_config=UlbConfig(bits=2, bf16_gemv=False))
     assert type(plain.lm_head) is torch.nn.Linear
+    plain.save_pretrained(tmp_path / "plain")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.bfloat16)
+    assert type(again.lm_head) is torch.nn.Linear  # the opt-out survives the round trip too
 
 
 def test_bad_config_is_rejected():

@@ -25,9 +25,10 @@ class QuantConfig:
     granularity: "channel", "group" or "tensor" (default from group_size).
     method: "absmax", "absmean" or "mse" (default per format, see quantizers).
     include / exclude: fnmatch patterns on module names; exclude wins.
-    bf16_gemv: also swap the nn.Linear layers left in bf16 (lm_head by
-    default) for nn.LinearBF16, whose one-token forward runs ulbtorch's bf16
-    GEMV: same weights, fp32 accumulation in another order than F.linear.
+    bf16_gemv (default True): also swap the nn.Linear layers left in bf16
+    (lm_head by default) for nn.LinearBF16, whose one-token forward runs
+    ulbtorch's bf16 GEMV: same weights, fp32 accumulation in another order
+    than F.linear. False leaves them stock nn.Linear.
     """
     bits: int | float | str = 2
     format: str | None = None
@@ -36,7 +37,7 @@ class QuantConfig:
     method: str | None = None
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
-    bf16_gemv: bool = False
+    bf16_gemv: bool = True
 
     def __post_init__(self):
         if self.format is None:

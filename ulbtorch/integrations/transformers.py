@@ -23,11 +23,11 @@ QUANT_METHOD = "ulb"
 class UlbConfig(QuantizationConfigMixin):
     """bits: 1, "ternary" or 2 (or format: "int2_sym" | "int2" | "ternary" |
     "binary"); group_size 0 = per output channel; modules_to_not_convert:
-    fnmatch patterns kept in float (default lm_head); bf16_gemv: run the
-    layers kept in bf16 through nn.LinearBF16 (see QuantConfig)."""
+    fnmatch patterns kept in float (default lm_head); bf16_gemv (default
+    True): run the layers kept in bf16 through nn.LinearBF16 (see QuantConfig)."""
 
     def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
-                 modules_to_not_convert=None, bf16_gemv=False, **kwargs):
+                 modules_to_not_convert=None, bf16_gemv=True, **kwargs):
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
