@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from decode import LLAMA_DEFAULTS, build_model, model_bytes, time_decode  # noqa: E402
+from decode import build_model, model_bytes, time_decode  # noqa: E402
 
 import ulbtorch  # noqa: E402
 from ulbtorch.importers import load_bitnet_checkpoint  # noqa: E402

@@ -155,7 +155,7 @@ def test_unknown_format():
         ops.dequantize(codes, torch.ones(M, 1), "int4")
     with pytest.raises(ValueError, match="unknown format 'int4'"):
         ulbtorch.QuantConfig(format="int4")
-    with pytest.raises(ValueError, match="bits must be 1, 'ternary'/1.58 or 2, got 3"):
+    with pytest.raises(ValueError, match="bits must be 1, 'ternary'/1.58, 2 or 8, got 3"):
         ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(K, M)), bits=3)
     with pytest.raises(ValueError, match="Linear2Bit takes formats"):
         Linear2Bit(K, M, format="ternary")

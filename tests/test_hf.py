@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ulbtorch
-from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary, LowBitLinear
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear8Bit, LinearTernary, LowBitLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,8 +67,12 @@ def test_generate_kernels_equal_reference(bits, group_size):
         assert type(m) is CLS[bits] and m.group_size == group_size
     assert type(model.lm_head) is nn.Linear
 
-    ids = prompt()
     assert set_reference(model, False) == n_layers
+    check_kernels_equal_reference(model)
+
+
+def check_kernels_equal_reference(model):
+    ids = prompt()
     out_kernel = generate(model, ids)
     set_reference(model, True)
     out_ref = generate(model, ids)
@@ -119,6 +123,32 @@ def test_include_exclude_patterns():
     assert all(model.get_submodule(n).group_size == 64 for n in lowbit_names(model))
     with pytest.raises(TypeError, match="either a QuantConfig or keyword arguments"):
         ulbtorch.quantize_(tiny_llama(), cfg, bits=2)
+
+
+def test_lm_head_bits_int8(tmp_path):
+    model = tiny_llama()
+    float_head = model.lm_head
+    ulbtorch.quantize_(model, bits=2, lm_head_bits=8)
+    assert type(model.lm_head) is Linear8Bit and model.lm_head.format == "int8"
+    assert model.lm_head.group_size == 0 and model.lm_head.granularity == "channel"
+    assert len(lowbit_names(model)) == CONFIG["num_hidden_layers"] * len(PROJ) + 1
+    assert all(type(model.get_submodule(n)) is Linear2Bit for n in lowbit_names(model) - {"lm_head"})
+    # int8 weights and activations: logits within ~1% of the float lm_head's on the same hidden states.
+    with torch.no_grad():
+        h = model.model(prompt()).last_hidden_state
+        _close(model.lm_head(h), float_head(h), 3e-2)
+    check_kernels_equal_reference(model)
+    # Round trip through save_quantized / load_quantized.
+    ulbtorch.save_quantized(model, str(tmp_path))
+    loaded = ulbtorch.load_quantized(tiny_llama(seed=5), str(tmp_path))
+    assert type(loaded.lm_head) is Linear8Bit and torch.equal(loaded.lm_head.packed, model.lm_head.packed)
+    with torch.no_grad():
+        assert torch.equal(loaded(prompt()).logits, model(prompt()).logits)
+    # lm_head_bits is for layers include/exclude leave out, and takes the values bits takes.
+    with pytest.raises(ValueError, match="already select"):
+        ulbtorch.quantize_(tiny_llama(), bits=2, exclude=[], lm_head_bits=8)
+    with pytest.raises(ValueError, match="bits must be"):
+        ulbtorch.QuantConfig(lm_head_bits=4)
 
 
 @pytest.mark.parametrize("bits,group_size", [(2, 64), ("ternary", 0), (1, 32)])

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from ulbtorch import UlbConfig  # noqa: E402
 from ulbtorch.importers import convert_bitnet_model  # noqa: E402
-from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearBF16, LinearTernary  # noqa: E402
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear8Bit, LinearBF16, LinearTernary  # noqa: E402
 
 from test_importers import make_checkpoint  # noqa: E402
 
@@ -131,3 +131,25 @@ def test_import_is_lazy_and_registration_follows_transformers():
     assert _run("import ulbtorch\n" + check) == ["True", "True"]
     assert _run("import transformers.quantizers, ulbtorch\n" + check) == ["True", "True"]
     assert _run("import ulbtorch; print(ulbtorch.UlbConfig.__name__)") == ["UlbConfig"]
+
+
+def test_int8_lm_head_through_transformers(float_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16,
+                                                 quantization_config=UlbConfig(bits=2, lm_head_bits=8))
+    assert type(model.lm_head) is Linear8Bit and type(model.model.layers[0].mlp.up_proj) is Linear2Bit
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["lm_head_bits"] == 8
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert type(again.lm_head) is Linear8Bit and torch.equal(again.lm_head.packed, model.lm_head.packed)
+    ids = torch.randint(0, 300, (1, 5))
+    assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_tied_lm_head_is_not_packed_through_transformers(tmp_path):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**CFG, tie_word_embeddings=True)).save_pretrained(tmp_path)
+    for cfg in (UlbConfig(bits=2, lm_head_bits=8), UlbConfig(bits=2, modules_to_not_convert=["nothing"])):
+        with pytest.raises(ValueError, match="tie_word_embeddings"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=UlbConfig(bits=2))
+    assert type(model.lm_head) is LinearBF16 and model.lm_head.weight is model.model.embed_tokens.weight

@@ -10,7 +10,7 @@ import torch
 
 import ulbtorch
 from ulbtorch import ops, runtime
-from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
+from ulbtorch.formats import FORMATS, FORMATS_BY_ID, get_format, n_groups, normalize_group_size
 
 ISAS = runtime.supported_isas()
 # Kernel sets under test: every ISA (AVX-512 with the 1-bit lookup-table
@@ -442,4 +442,4 @@ def test_python_format_table_matches_c():
         c = lib.ulb_format_get(f.id).contents
         assert (c.bits, c.level_a, c.level_b, c.max_code, c.name.decode()) == (
             f.bits, f.level_a, f.level_b, f.max_code, f.name)
-    assert not lib.ulb_format_get(0) and not lib.ulb_format_get(5)
+    assert not lib.ulb_format_get(0) and not lib.ulb_format_get(max(FORMATS_BY_ID) + 1)

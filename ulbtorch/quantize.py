@@ -6,25 +6,42 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from .formats import FORMATS
-from .nn import MODULE_FOR_FORMAT, bf16_gemv_, replace_module
+from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_, replace_module
 from .nn.replace import name_selected
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
-                   "ternary": "ternary", 2: "int2_sym", "2": "int2_sym"}
+                   "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 8: "int8", "8": "int8"}
+LM_HEAD = ["lm_head", "*.lm_head"]
+
+
+def _format_for_bits(bits) -> str:
+    if bits not in _BITS_TO_FORMAT:
+        raise ValueError(f"bits must be 1, 'ternary'/1.58, 2 or 8, got {bits!r}")
+    return _BITS_TO_FORMAT[bits]
+
+
+def linear_layers(model: nn.Module, selects) -> list[tuple[str, nn.Linear]]:
+    """The plain nn.Linear layers (and LinearBF16, a plain one on the bf16
+    GEMV) whose names `selects`; other subclasses of nn.Linear are left alone."""
+    return [(n, m) for n, m in model.named_modules() if type(m) in (nn.Linear, LinearBF16) and selects(n)]
 
 
 @dataclass
 class QuantConfig:
     """What quantize_ does.
 
-    bits: 1, "ternary" (or 1.58) or 2. format: an explicit format name
-    ("int2_sym", "int2", "ternary", "binary") overriding bits.
+    bits: 1, "ternary" (or 1.58), 2 or 8. format: an explicit format name
+    ("int2_sym", "int2", "ternary", "binary", "int8") overriding bits.
     group_size: 0 for one scale per output channel, else a multiple of 16
-    (2-bit, ternary) or 32 (binary); layers no wider than a group get one
+    (2-bit, ternary), 32 (binary) or 4 (int8); layers no wider than a group get one
     scale per channel.
     granularity: "channel", "group" or "tensor" (default from group_size).
     method: "absmax", "absmean" or "mse" (default per format, see quantizers).
     include / exclude: fnmatch patterns on module names; exclude wins.
+    lm_head_bits (default None: lm_head stays bf16): quantize the lm_head
+    layers that include/exclude leave out to these bits, per output channel
+    with the format's default scale rule; 8 (int8, absmax) halves the bytes
+    of the largest matrix a small model reads per token.
     bf16_gemv (default True): also swap the nn.Linear layers left in bf16
     (lm_head by default) for nn.LinearBF16, whose one-token forward runs
     ulbtorch's bf16 GEMV: same weights, fp32 accumulation in another order
@@ -38,12 +55,13 @@ class QuantConfig:
     include: list[str] = field(default_factory=lambda: ["*"])
     exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
     bf16_gemv: bool = True
+    lm_head_bits: int | float | str | None = None
 
     def __post_init__(self):
         if self.format is None:
-            if self.bits not in _BITS_TO_FORMAT:
-                raise ValueError(f"bits must be 1, 'ternary'/1.58 or 2, got {self.bits!r}")
-            self.format = _BITS_TO_FORMAT[self.bits]
+            self.format = _format_for_bits(self.bits)
+        if self.lm_head_bits is not None:
+            _format_for_bits(self.lm_head_bits)
         if self.format not in FORMATS:
             raise ValueError(f"unknown format {self.format!r}; known: {sorted(FORMATS)}")
         block = FORMATS[self.format].k_block
@@ -64,6 +82,12 @@ class QuantConfig:
     def selects(self, name: str) -> bool:
         return name_selected(name, self.include, self.exclude)
 
+    def head_config(self) -> "QuantConfig | None":
+        """What quantize_ does to the lm_head layers (lm_head_bits), or None."""
+        if self.lm_head_bits is None:
+            return None
+        return QuantConfig(bits=self.lm_head_bits, include=list(LM_HEAD), exclude=[], bf16_gemv=False)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -77,10 +101,14 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         config = QuantConfig(**kwargs)
     elif kwargs:
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
-    cls = MODULE_FOR_FORMAT[config.format]
-    targets = [(n, m) for n, m in model.named_modules()
-               if type(m) is nn.Linear and config.selects(n)]
-    float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin in targets)
+    targets = [(n, m, config) for n, m in linear_layers(model, config.selects)]
+    head = config.head_config()
+    if head is not None:
+        clash = [n for n, _, _ in targets if head.selects(n)]
+        if clash:
+            raise ValueError(f"lm_head_bits={config.lm_head_bits!r} but include/exclude already select {clash}")
+        targets += [(n, m, head) for n, m in linear_layers(model, head.selects)]
+    float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
     packed_bytes = 0
     if progress:
         try:
@@ -88,9 +116,9 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
             targets = tqdm(targets, desc=f"quantize_ {config.format}", unit="layer")
         except ImportError:
             pass
-    for name, lin in targets:
-        layer = cls.from_linear(lin, format=config.format, method=config.method,
-                                **config.layer_args(lin.in_features))
+    for name, lin, cfg in targets:
+        layer = MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
+                                                          **cfg.layer_args(lin.in_features))
         packed_bytes += layer.packed.numel()
         replace_module(model, name, layer)
     if config.bf16_gemv:

@@ -6,6 +6,7 @@ Scale choice per row / group / tensor:
                                           MSE-optimal scale for binary weights)
   "mse"     : s minimising the squared error over a grid of clipping ratios
               (default for 2-bit and per-channel/group ternary)
+int8 defaults to absmax (levels -127..127), as 8-bit weight formats do.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ _MSE_RATIOS = torch.linspace(0.3, 1.0, 15)
 def default_method(fmt: Format, granularity: str) -> str:
     if fmt.name == "binary" or (fmt.name == "ternary" and granularity == "tensor"):
         return "absmean"
+    if fmt.bits == 8:
+        return "absmax"
     return "mse"
 
 

@@ -10,10 +10,11 @@ static const ulb_format_info FORMATS[] = {
     [ULB_FMT_INT2_SYM] = {2, 2, -3, 3, "int2_sym"},
     [ULB_FMT_TERNARY] = {2, 1, -1, 2, "ternary"},
     [ULB_FMT_BINARY] = {1, 2, -1, 1, "binary"},
+    [ULB_FMT_INT8] = {8, 1, -127, 254, "int8"},
 };
 
 const ulb_format_info *ulb_format_get(int format) {
-    if (format < ULB_FMT_INT2 || format > ULB_FMT_BINARY) return NULL;
+    if (format < ULB_FMT_INT2 || format > ULB_FMT_INT8) return NULL;
     return &FORMATS[format];
 }
 
@@ -22,7 +23,8 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_OK: return "ok";
     case ULB_ERR_FORMAT: return "unknown weight format";
     case ULB_ERR_SHAPE: return "invalid shape or buffer size";
-    case ULB_ERR_GROUP: return "group size must be a positive multiple of 16 (32 for 1-bit), or cover all of K";
+    case ULB_ERR_GROUP:
+        return "group size must be a positive multiple of 16 (32 for 1-bit, 4 for 8-bit), or cover all of K";
     case ULB_ERR_CODE: return "weight code out of range for the format";
     case ULB_ERR_BLOB: return "not a valid ulbtorch packed weight (bad header or size)";
     case ULB_ERR_DTYPE: return "unsupported dtype";
@@ -36,8 +38,9 @@ const char *ulb_status_str(ulb_status s) {
     return "unknown error";
 }
 
-/* Accumulators are int32 and the one-token AVX-512 kernel keeps 64 * sum q x
- * per group: 64 * 3 * 128 * 65536 < 2^31. */
+/* Accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
+ * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31), and sum q x of
+ * 8-bit codes stays below 254 * 127 * 65536 < 2^31. */
 #define ULB_MAX_K (1LL << 16)
 #define ULB_MAX_M (1LL << 26)
 

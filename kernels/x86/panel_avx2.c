@@ -1,10 +1,12 @@
-/* AVX2 microkernels (1-bit and 2-bit codes) for CPUs without AVX-512:
+/* AVX2 microkernels (1-, 2- and 8-bit codes) for CPUs without AVX-512:
  * u8 codes x s8 activations with vpmaddubsw + vpmaddwd. One 16-row tile at a
  * time (two 8-row halves), so each pass reads one sequential stream.
  * Exact in 16 bits: the products of all fields of a half tile are summed in
  * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit) or
- * 8 * 2*1*128 = 2048 (1-bit) in magnitude. Must match
- * ref/panel_ref.c bit for bit. */
+ * 8 * 2*1*128 = 2048 (1-bit) in magnitude. 8-bit codes (up to 254) would
+ * saturate vpmaddubsw's pair sums, so they go in as two nibbles, q = lo +
+ * 16 hi, each pair sum at most 2*15*128. Must match ref/panel_ref.c bit for
+ * bit. */
 #pragma GCC target("avx2")
 #include <immintrin.h>
 #include <string.h>
@@ -34,7 +36,8 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
     const int fields = 8 / bits, kt = 32 / bits;
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
-    const __m256i ones16 = _mm256_set1_epi16(1);
+    const __m256i ones16 = _mm256_set1_epi16(1), sixteens16 = _mm256_set1_epi16(16);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i va = _mm256_set1_epi32(w->level_a);
     __m256 out[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
@@ -67,6 +70,19 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
                         _mm_prefetch((const char *)half + ulb_prefetch_bytes(bits), _MM_HINT_T1);
                     const __m256i v = _mm256_loadu_si256((const __m256i *)half);
                     __m256i p[ULB_NB_MAX];
+                    if (bits == 8) {
+                        const __m256i lo = _mm256_and_si256(v, nibble);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 4
+                        for (int j = 0; j < nb; j++) {
+                            const __m256i xj = bcast4(x[j] + ks * kt);
+                            acc[j][t][h] = _mm256_add_epi32(
+                                acc[j][t][h],
+                                _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xj), ones16),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xj), sixteens16)));
+                        }
+                        continue;
+                    }
 #pragma GCC unroll 8
                     for (int f = 0; f < fields; f++) {
                         const __m256i u = field(v, f, bits);
@@ -138,10 +154,16 @@ static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
     panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 1);
 }
 
+static void panel_8bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                       int64_t n0, int nb, float *facc, int32_t *dots) {
+    panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 8);
+}
+
 void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                     int64_t n0, int nb, float *facc, int32_t *dots) {
-    if (w->bits == 2)
-        panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots);
-    else
-        panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots);
+    switch (w->bits) {
+    case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    }
 }

@@ -1,4 +1,4 @@
-/* AVX-512 VNNI microkernels (1-bit and 2-bit codes): up to 64 rows x 4 tokens
+/* AVX-512 VNNI microkernels (1-, 2- and 8-bit codes): up to 64 rows x 4 tokens
  * per call, u8 codes x s8 activations with vpdpbusd. The affine level map is
  * applied once per group (see internal.h), so one instruction serves every
  * format. Must match ref/panel_ref.c bit for bit. */
@@ -165,10 +165,16 @@ static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
     switch (nb * 8 + ntiles) { ULB_CASES(1) }
 }
 
+static void panel_8bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
+                       int nb, float *facc, int32_t *dots) {
+    switch (nb * 8 + ntiles) { ULB_CASES(8) }
+}
+
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                       int64_t n0, int nb, float *facc, int32_t *dots) {
-    if (w->bits == 2)
-        panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots);
-    else
-        panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots);
+    switch (w->bits) {
+    case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    }
 }

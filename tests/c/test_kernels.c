@@ -76,7 +76,7 @@ int main(void) {
     const int64_t Ks[] = {1, 16, 33, 257, 4097};
     const int64_t Ns[] = {1, 2, 5, 9};
     const int64_t gss[] = {0, 32, 128};
-    for (int fmt = 1; fmt <= 4; fmt++)
+    for (int fmt = ULB_FMT_INT2; fmt <= ULB_FMT_INT8; fmt++)
         for (int a = 0; a < 5; a++) for (int b = 0; b < 5; b++) for (int c = 0; c < 4; c++) for (int d = 0; d < 3; d++) {
             if (Ms[a] * Ks[b] > 1000 * 300 && c > 1) continue;
             fails += check(fmt, Ms[a], Ks[b], gss[d], Ns[c]);

@@ -9,12 +9,11 @@ layers whose `packed` buffers the checkpoint fills like any other tensor.
 """
 from __future__ import annotations
 
-from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
-from ..quantize import QuantConfig, quantize_
+from ..quantize import QuantConfig, linear_layers, quantize_
 
 QUANT_METHOD = "ulb"
 
@@ -24,10 +23,11 @@ class UlbConfig(QuantizationConfigMixin):
     """bits: 1, "ternary" or 2 (or format: "int2_sym" | "int2" | "ternary" |
     "binary"); group_size 0 = per output channel; modules_to_not_convert:
     fnmatch patterns kept in float (default lm_head); bf16_gemv (default
-    True): run the layers kept in bf16 through nn.LinearBF16 (see QuantConfig)."""
+    True): run the layers kept in bf16 through nn.LinearBF16; lm_head_bits
+    (default None): quantize lm_head too, e.g. 8 for int8 (see QuantConfig)."""
 
     def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
-                 modules_to_not_convert=None, bf16_gemv=True, **kwargs):
+                 modules_to_not_convert=None, bf16_gemv=True, lm_head_bits=None, **kwargs):
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -36,15 +36,30 @@ class UlbConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.modules_to_not_convert = list(modules_to_not_convert or ["lm_head", "*.lm_head"])
         q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,
-                        method=method, exclude=self.modules_to_not_convert)
+                        method=method, exclude=self.modules_to_not_convert, lm_head_bits=lm_head_bits)
         self.bits, self.format, self.group_size = q.bits, q.format, q.group_size
         self.granularity, self.method = q.granularity, q.method
         self.bf16_gemv = bool(bf16_gemv)
+        self.lm_head_bits = lm_head_bits
 
     def to_quant_config(self) -> QuantConfig:
         return QuantConfig(bits=self.bits, format=self.format, group_size=self.group_size,
                            granularity=self.granularity, method=self.method,
-                           exclude=self.modules_to_not_convert, bf16_gemv=self.bf16_gemv)
+                           exclude=self.modules_to_not_convert, bf16_gemv=self.bf16_gemv,
+                           lm_head_bits=self.lm_head_bits)
+
+
+def _check_untied_output(model, configs) -> None:
+    """transformers ties lm_head.weight to the input embedding when the
+    config says so, at save and at load; a packed lm_head has no such weight."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    out = model.get_output_embeddings()
+    for name, m in model.named_modules():
+        if m is out and any(c.selects(name) for c in configs):
+            raise ValueError(f"ulb: {name!r} shares its weight with the input embedding (tie_word_embeddings), "
+                             "so transformers cannot save or load it packed; keep it in bf16 (the default), or "
+                             "quantize it with ulbtorch.quantize_(..., lm_head_bits=8) and ulbtorch.save_quantized")
 
 
 @register_quantizer(QUANT_METHOD)
@@ -52,15 +67,17 @@ class UlbHfQuantizer(HfQuantizer):
     requires_calibration = False
 
     def _process_model_before_weight_loading(self, model, **kwargs):
+        cfg = self.quantization_config.to_quant_config()
+        head = cfg.head_config()
+        _check_untied_output(model, [cfg] + ([head] if head else []))
         if not self.pre_quantized:
             return model
-        cfg = self.quantization_config.to_quant_config()
-        cls = MODULE_FOR_FORMAT[cfg.format]
-        for name, lin in [(n, m) for n, m in model.named_modules()
-                          if type(m) is nn.Linear and cfg.selects(n)]:
-            layer = cls(lin.in_features, lin.out_features, lin.bias is not None, format=cfg.format,
-                        device=lin.weight.device, dtype=lin.weight.dtype, **cfg.layer_args(lin.in_features))
-            replace_module(model, name, layer)
+        for c in [cfg] + ([head] if head else []):
+            for name, lin in linear_layers(model, c.selects):
+                layer = MODULE_FOR_FORMAT[c.format](lin.in_features, lin.out_features, lin.bias is not None,
+                                                    format=c.format, device=lin.weight.device,
+                                                    dtype=lin.weight.dtype, **c.layer_args(lin.in_features))
+                replace_module(model, name, layer)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

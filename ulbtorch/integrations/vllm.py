@@ -48,6 +48,10 @@ class UlbVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
+        if config.get("lm_head_bits") is not None:
+            raise ValueError("ulb: this checkpoint has a quantized lm_head (lm_head_bits="
+                             f"{config['lm_head_bits']!r}), which the vLLM plugin does not serve; "
+                             "save it with lm_head_bits=None")
         skip = list(config.get("modules_to_not_convert") or ["lm_head", "*.lm_head"])
         quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
                             group_size=config.get("group_size", 0), granularity=config.get("granularity"),

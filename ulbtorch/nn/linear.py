@@ -1,4 +1,4 @@
-"""Linear layers with packed 1-bit, ternary and 2-bit weights.
+"""Linear layers with packed 1-bit, ternary, 2-bit and 8-bit weights.
 
 On CPU the forward pass is one call of torch.ops.ulb.linear (int8 activations
 per token, packed weights streamed by the C kernels). On any other device the
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..formats import get_format, n_groups, normalize_group_size
+from ..formats import get_format, normalize_group_size
 from ..quantizers import quantize_weight
 
 
@@ -217,5 +217,12 @@ class Linear1Bit(LowBitLinear):
     FORMATS = ("binary",)
 
 
+class Linear8Bit(LowBitLinear):
+    """int8 weights, levels -127..127 x scale: for a layer kept near full
+    precision at half the bytes of bf16, such as lm_head
+    (quantize_(..., lm_head_bits=8))."""
+    FORMATS = ("int8",)
+
+
 MODULE_FOR_FORMAT = {"int2_sym": Linear2Bit, "int2": Linear2Bit, "ternary": LinearTernary,
-                     "binary": Linear1Bit}
+                     "binary": Linear1Bit, "int8": Linear8Bit}
