@@ -160,6 +160,9 @@ def main(argv=None):
                    help="also time the bf16 model and each quantized variant with ulbtorch.bf16_gemv_ applied "
                         "(the bf16 linear layers, for quantized models lm_head, through ulbtorch's one-token bf16 "
                         "GEMV)")
+    p.add_argument("--lm-head-bits", type=int, choices=[8],
+                   help="also time each quantized variant with quantize_(..., lm_head_bits=8): lm_head packed "
+                        "to int8 (half the bytes of bf16)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads (default: current)")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt token ids (default 16)")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens = min_new_tokens (default 32)")
@@ -225,7 +228,7 @@ def main(argv=None):
                           ("ms_tok", "ms/token", ".1f"), ("speedup", "x vs bf16", ".2f"),
                           ("decode_speedup", "x decode", ".2f")],
                          title=f"Greedy decode, {args.config} ({cfg['num_hidden_layers']} layers), "
-                               f"{torch.get_num_threads()} threads", min_widths=dict(variant=22))
+                               f"{torch.get_num_threads()} threads", min_widths=dict(variant=28))
     results = {}
 
     def run_variant(name, model):
@@ -300,11 +303,21 @@ def main(argv=None):
             run_compiled(name + " +bf16 gemv", qm)
         del qm
         gc.collect()
+        if args.lm_head_bits:
+            vname = f"{name} +int{args.lm_head_bits} lm_head"
+            qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, lm_head_bits=args.lm_head_bits,
+                                    **qcfg_kw)
+            out = run_variant(vname, qm)
+            results[vname]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
+            run_compiled(vname, qm)
+            del qm
+            gc.collect()
 
     # -- report ---------------------------------------------------------------------------
     notes = []
     print()
-    for name in [f"ulb {fmt}{v}" for fmt in formats for v in ("", " +bf16 gemv")]:
+    for name in [f"ulb {fmt}{v}" for fmt in formats
+                 for v in ("", " +bf16 gemv", f" +int{args.lm_head_bits} lm_head")]:
         if name not in results:
             continue
         r = results[name]

@@ -13,9 +13,12 @@ def gen():
 
 @pytest.fixture(autouse=True)
 def _restore_runtime_state():
-    """No test may leak an ISA choice or a thread count into the next one."""
+    """No test may leak an ISA choice, a kernel switch or a thread count into
+    the next one."""
     isa = runtime.get_isa()
+    lut1 = runtime.lut1_enabled()
     nthreads = torch.get_num_threads()
     yield
     runtime.set_isa(isa)
+    runtime.set_lut1(lut1)
     torch.set_num_threads(nthreads)

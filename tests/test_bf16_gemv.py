@@ -214,6 +214,25 @@ def test_quantize_with_bf16_gemv_on_a_hf_model():
     assert ulbtorch.bf16_gemv_(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].__class__ is torch.nn.Linear
 
 
+def test_save_load_quantized_keeps_the_gemv(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    ulbtorch.quantize_(model, bits=2)
+    assert type(model.lm_head) is LinearBF16
+    ulbtorch.save_quantized(model, str(tmp_path))
+    loaded = ulbtorch.load_quantized(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16),
+                                     str(tmp_path))
+    assert type(loaded.lm_head) is LinearBF16 and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    plain = ulbtorch.quantize_(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16),
+                               bits=2, bf16_gemv=False)
+    ulbtorch.save_quantized(plain, str(tmp_path / "plain"))
+    loaded = ulbtorch.load_quantized(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16),
+                                     str(tmp_path / "plain"))
+    assert type(loaded.lm_head) is torch.nn.Linear
+
+
 def test_bf16_gemv_include_exclude():
     def model():
         return torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8).to(torch.bfloat16),
@@ -225,3 +244,7 @@ def test_bf16_gemv_include_exclude():
     assert [type(m[k]) for k in "abf"] == [LinearBF16, torch.nn.Linear, torch.nn.Linear]
     m = ulbtorch.bf16_gemv_(model(), exclude=["a"])
     assert [type(m[k]) for k in "abf"] == [torch.nn.Linear, LinearBF16, torch.nn.Linear]
+    m = ulbtorch.bf16_gemv_(model(), exclude="a")  # one string is one pattern, not its characters
+    assert [type(m[k]) for k in "abf"] == [torch.nn.Linear, LinearBF16, torch.nn.Linear]
+    with pytest.raises(TypeError, match="exclude must be a list of fnmatch patterns"):
+        ulbtorch.bf16_gemv_(model(), exclude=[1])

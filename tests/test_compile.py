@@ -24,14 +24,16 @@ def op_cases(codes, scales, packed, x):
         "unpack": (torch.ops.ulb.unpack.default, (packed,)),
         "packed_info": (torch.ops.ulb.packed_info.default, (packed,)),
         "linear_fp32": (torch.ops.ulb.linear.default, (x, packed, None, 40)),
-        "linear_bf16_bias": (torch.ops.ulb.linear.default, (x.bfloat16().unsqueeze(0), packed, torch.randn(40), 40)),
+        "linear_bf16_x_bias": (torch.ops.ulb.linear.default, (x.bfloat16().unsqueeze(0), packed, torch.randn(40), 40)),
+        "linear_bf16_gemv": (torch.ops.ulb.linear_bf16.default,
+                             (x[:1].bfloat16(), torch.randn(40, 70).bfloat16(), torch.randn(40).bfloat16())),
         "quantize_act": (torch.ops.ulb.quantize_act.default, (x, packed)),
         "int_dots": (torch.ops.ulb.int_dots.default, (packed, xq, xsum)),
     }
 
 
-@pytest.mark.parametrize("name", ["pack", "unpack", "packed_info", "linear_fp32", "linear_bf16_bias",
-                                  "quantize_act", "int_dots"])
+@pytest.mark.parametrize("name", ["pack", "unpack", "packed_info", "linear_fp32", "linear_bf16_x_bias",
+                                  "linear_bf16_gemv", "quantize_act", "int_dots"])
 def test_opcheck(blob_and_inputs, name):
     op, args = op_cases(*blob_and_inputs)[name]
     result = opcheck(op, args)

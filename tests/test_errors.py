@@ -33,9 +33,8 @@ def x():
 def test_linear_wrong_input_dtype(blob, x, dtype, name):
     with pytest.raises(RuntimeError, match=f"input must be float32 or bfloat16, got {name}"):
         torch.ops.ulb.linear(x.to(dtype), blob, None, M)
-    if dtype != torch.float16:
-        with pytest.raises(TypeError, match="input must be float32 or bfloat16"):
-            ops.linear(x.to(dtype), blob, None, M)
+    with pytest.raises(TypeError, match="input must be float32 or bfloat16"):
+        ops.linear(x.to(dtype), blob, None, M)
 
 
 def test_linear_wrong_bias(blob, x):
@@ -120,6 +119,14 @@ def test_meta_input_to_op_raises(blob, x):
         torch.ops.ulb.linear(x.to("meta"), blob, None, M)
     with pytest.raises(ValueError, match="runs on CPU; input is on meta"):
         ops.linear(x.to("meta"), blob, None, M)
+    # A meta bias beside CPU tensors: an error too, not uninitialised memory.
+    with pytest.raises(ValueError, match="bias is on meta"):
+        torch.ops.ulb.linear(x, blob, torch.zeros(M, device="meta"), M)
+    w = torch.randn(M, x.shape[-1]).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bias is on meta"):
+        torch.ops.ulb.linear_bf16(x.to(torch.bfloat16), w, torch.zeros(M, device="meta"))
+    with pytest.raises(ValueError, match="weight is on meta"):
+        torch.ops.ulb.linear_bf16(x.to(torch.bfloat16), w.to("meta"), None)
 
 
 # ---- packing ----------------------------------------------------------------------------------
@@ -334,3 +341,11 @@ def test_header_fuzz_never_crashes():
     child process so that a crash is reported as a failure, not a dead run."""
     r = subprocess.run([sys.executable, "-c", FUZZ], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "FUZZ-OK" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_unknown_isa_in_the_environment_warns():
+    env = dict(os.environ, ULB_ISA="avx-2")
+    out = subprocess.run([sys.executable, "-c", "import ulbtorch; print(ulbtorch.runtime.get_isa())"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() in runtime.ISAS, out.stderr
+    assert "ULB_ISA='avx-2' is not one of" in out.stderr

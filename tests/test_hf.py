@@ -123,6 +123,13 @@ def test_include_exclude_patterns():
     assert all(model.get_submodule(n).group_size == 64 for n in lowbit_names(model))
     with pytest.raises(TypeError, match="either a QuantConfig or keyword arguments"):
         ulbtorch.quantize_(tiny_llama(), cfg, bits=2)
+    # One string is one pattern (not a list of its characters, '*' among them).
+    model = ulbtorch.quantize_(tiny_llama(), bits=2, include="*.mlp.*")
+    assert len(lowbit_names(model)) == 2 * 3 and "lm_head" in linear_names(model)
+    with pytest.raises(TypeError, match="include must be a list of fnmatch patterns"):
+        ulbtorch.QuantConfig(include=3)
+    with pytest.raises(ValueError, match="bits must be"):
+        ulbtorch.QuantConfig(bits=True)
 
 
 def test_lm_head_bits_int8(tmp_path):

@@ -130,3 +130,7 @@ def test_grid_refuses_off_grid_rows():
         pack_grid_weight(torch.tensor([[0.0, 1.0]]), 1, "w")
     with pytest.raises(ValueError, match="ternary grid"):
         pack_grid_weight(torch.tensor([[0.0, 1.0, -2.0]]), "ternary", "w")
+    for bits in (1, "ternary", 2):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValueError, match="w: row 1 holds NaN or infinite"):
+                pack_grid_weight(torch.tensor([[0.25, -0.25, 0.25], [bad, 0.25, -0.25]]), bits, "w")

@@ -240,9 +240,31 @@ def test_module_without_weights_raises_clearly():
     layer = Linear1Bit(64, 8, False)
     with pytest.raises(RuntimeError, match="no packed weights"):
         layer.dequantize()
+    for x in (torch.randn(2, 64), torch.randn(2, 64).to(torch.bfloat16), torch.randn(2, 64).half()):
+        with pytest.raises(RuntimeError, match="no packed weights"):  # the kernel path
+            layer(x)
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="no packed weights"):
+        layer(torch.randn(2, 64, requires_grad=True))
     layer.force_reference = True
     with pytest.raises(RuntimeError, match="no packed weights"):
         layer(torch.randn(2, 64))
+
+
+def test_module_argument_errors(gen):
+    codes = torch.randint(0, 4, (8, 64), generator=gen, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"bias must be a floating-point tensor of shape \(8,\)"):
+        Linear2Bit.from_codes(codes, torch.ones(8, 1), bias=torch.zeros(11))
+    with pytest.raises(ValueError, match="bias must be a floating-point tensor"):
+        Linear2Bit.from_codes(codes, torch.ones(8, 1), bias=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="codes must be 2-D"):
+        Linear2Bit.from_codes(codes.flatten(), torch.ones(8, 1))
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        Linear2Bit(64, 8, granularity="bogus")
+    with pytest.raises(ValueError, match="granularity 'channel' does not fit group_size=32"):
+        Linear2Bit(64, 8, group_size=32, granularity="channel")
+    layer = Linear2Bit.from_codes(codes, torch.ones(8, 1))
+    with pytest.raises(ValueError, match="expects 64 input features"):
+        layer(torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("cls", [Linear2Bit, LinearTernary, Linear1Bit, Linear8Bit])

@@ -11,17 +11,23 @@ from .formats import FORMATS_BY_ID, Format, get_format, n_groups, normalize_grou
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _check_same_device(op: str, x: torch.Tensor, **others) -> None:
+    # A meta tensor among CPU ones sends the call here rather than to the
+    # kernel: without this check it would return uninitialised memory.
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"ulb.{op}: input is on {x.device} but the {name.replace('_', ' ')} is on {t.device}")
+
+
 @torch.library.register_fake("ulb::linear")
 def _linear_fake(x, packed, bias, out_features):
-    if packed.device != x.device:
-        raise ValueError(f"ulb.linear: input is on {x.device} but the packed weight is on {packed.device}")
+    _check_same_device("linear", x, packed_weight=packed, bias=bias)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("ulb::linear_bf16")
 def _linear_bf16_fake(x, weight, bias):
-    if weight.device != x.device:
-        raise ValueError(f"ulb.linear_bf16: input is on {x.device} but the weight is on {weight.device}")
+    _check_same_device("linear_bf16", x, weight=weight, bias=bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from .formats import FORMATS
 from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_, replace_module
-from .nn.replace import name_selected
+from .nn.replace import name_selected, patterns
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 8: "int8", "8": "int8"}
@@ -15,7 +15,7 @@ LM_HEAD = ["lm_head", "*.lm_head"]
 
 
 def _format_for_bits(bits) -> str:
-    if bits not in _BITS_TO_FORMAT:
+    if isinstance(bits, bool) or bits not in _BITS_TO_FORMAT:
         raise ValueError(f"bits must be 1, 'ternary'/1.58, 2 or 8, got {bits!r}")
     return _BITS_TO_FORMAT[bits]
 
@@ -58,6 +58,7 @@ class QuantConfig:
     lm_head_bits: int | float | str | None = None
 
     def __post_init__(self):
+        self.include, self.exclude = patterns(self.include, "include"), patterns(self.exclude, "exclude")
         if self.format is None:
             self.format = _format_for_bits(self.bits)
         if self.lm_head_bits is not None:

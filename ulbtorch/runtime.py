@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import warnings
 
 from . import _C
 
@@ -82,6 +84,16 @@ def set_isa(name: str) -> None:
 # AVX-512); without one nn.LinearBF16 leaves the call to F.linear. Kept in
 # Python so that the per-call check is a global read.
 bf16_gemv_native = get_isa() != "scalar"
+
+
+def _check_isa_env() -> None:
+    want = os.environ.get("ULB_ISA")
+    if want is not None and want != get_isa():
+        why = "not supported by this CPU" if want in ISAS else f"not one of {ISAS}"
+        warnings.warn(f"ULB_ISA={want!r} is {why}; the kernels use {get_isa()!r}", RuntimeWarning, stacklevel=2)
+
+
+_check_isa_env()
 
 
 @contextlib.contextmanager

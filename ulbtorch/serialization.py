@@ -1,6 +1,7 @@
 """Our checkpoint format: model.safetensors (packed blobs as uint8 tensors,
-everything else as is) plus ulbtorch.json listing each low-bit layer, so a
-model built from its config loads back bit-exactly without re-quantising."""
+everything else as is) plus ulbtorch.json listing each low-bit layer (and
+the bf16 layers on the bf16 GEMV), so a model built from its config loads
+back bit-exactly without re-quantising."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import os
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from .nn import MODULE_FOR_FORMAT, LowBitLinear, replace_module
+from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
 
 MANIFEST = "ulbtorch.json"
 WEIGHTS = "model.safetensors"
@@ -29,8 +30,9 @@ def save_quantized(model: nn.Module, directory: str) -> None:
         raise ValueError("model has no ulbtorch low-bit layers; run ulbtorch.quantize_ first")
     os.makedirs(directory, exist_ok=True)
     save_model(model, os.path.join(directory, WEIGHTS), metadata={"format": "pt", "ulbtorch": str(FORMAT_VERSION)})
+    gemv = [name for name, m in model.named_modules() if isinstance(m, LinearBF16)]
     with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"version": FORMAT_VERSION, "layers": layers}, f, indent=1)
+        json.dump({"version": FORMAT_VERSION, "layers": layers, "bf16_gemv": gemv}, f, indent=1)
 
 
 def load_quantized(model: nn.Module, directory: str) -> nn.Module:
@@ -64,4 +66,7 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
+    if gemv:
+        bf16_gemv_(model, include=gemv)
     return model

@@ -38,6 +38,9 @@ def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
         raise ValueError(f"bits must be 1, 'ternary' or 2, got {bits!r}")
     fmt = GRID_FORMATS[bits]
     w = weight.detach().float()
+    finite = torch.isfinite(w).all(dim=1)
+    if not finite.all():
+        raise ValueError(f"{name}: row {int((~finite).nonzero()[0])} holds NaN or infinite values")
     a = w.abs()
     M = w.shape[0]
     big = torch.full_like(a, float("inf"))

@@ -13,6 +13,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
+from ..nn.replace import patterns
 from ..quantize import QuantConfig, linear_layers, quantize_
 
 QUANT_METHOD = "ulb"
@@ -34,7 +35,8 @@ class UlbConfig(QuantizationConfigMixin):
         if kwargs:
             raise ValueError(f"UlbConfig: unknown options {sorted(kwargs)}")
         self.quant_method = QUANT_METHOD
-        self.modules_to_not_convert = list(modules_to_not_convert or ["lm_head", "*.lm_head"])
+        self.modules_to_not_convert = patterns(modules_to_not_convert or ["lm_head", "*.lm_head"],
+                                               "modules_to_not_convert")
         q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,
                         method=method, exclude=self.modules_to_not_convert, lm_head_bits=lm_head_bits)
         self.bits, self.format, self.group_size = q.bits, q.format, q.group_size

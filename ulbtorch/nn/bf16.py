@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import runtime
-from .replace import name_selected, replace_module
+from .replace import name_selected, patterns, replace_module
 
 _linear_bf16 = torch.ops.ulb.linear_bf16.default
 _BIAS_DTYPES = (torch.float32, torch.bfloat16)
@@ -47,9 +47,10 @@ def bf16_gemv_(model: nn.Module, *, include: list[str] | None = None, exclude: l
     """Swap, in place, every nn.Linear of `model` with a bf16 weight (names
     matching `include`, default all, and not `exclude`, fnmatch patterns) for
     a LinearBF16 sharing its parameters; returns the model."""
+    include = patterns(["*"] if include is None else include, "include")
+    exclude = patterns([] if exclude is None else exclude, "exclude")
     targets = [(n, m) for n, m in model.named_modules()
-               if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16
-               and name_selected(n, include or ["*"], exclude or [])]
+               if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and name_selected(n, include, exclude)]
     for name, lin in targets:
         replace_module(model, name, LinearBF16.from_linear(lin))
     return model

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import ops
 from ..formats import get_format, normalize_group_size
-from ..quantizers import quantize_weight
+from ..quantizers import GRANULARITIES, quantize_weight
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,7 +28,7 @@ class _KernelLinear(torch.autograd.Function):
     def forward(ctx, x, bias, layer):
         ctx.layer, ctx.x_dtype = layer, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _ulb_linear(x, layer._buffers["packed"], bias, layer.out_features)
+        return _call_kernel(layer, x, bias)
 
     @staticmethod
     def backward(ctx, gy):
@@ -39,10 +39,18 @@ class _KernelLinear(torch.autograd.Function):
         return gx, gb, None
 
 
+def _call_kernel(layer, x, bias):
+    try:
+        return _ulb_linear(x, layer._buffers["packed"], bias, layer.out_features)
+    except RuntimeError:
+        layer._require_packed()  # a layer never packed: say so rather than "bad header"
+        raise
+
+
 def _kernel_linear(layer, x, bias):
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return _KernelLinear.apply(x, bias, layer)
-    return _ulb_linear(x, layer._buffers["packed"], bias, layer.out_features)
+    return _call_kernel(layer, x, bias)
 
 
 class _FakeQuantSTE(torch.autograd.Function):
@@ -74,6 +82,11 @@ class LowBitLinear(nn.Module):
         self.format = fmt.name
         self.group_size = normalize_group_size(group_size, in_features, fmt)
         self.granularity = granularity or ("group" if self.group_size else "channel")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if (self.granularity == "group") != bool(self.group_size):
+            raise ValueError(f"granularity {self.granularity!r} does not fit group_size={self.group_size} "
+                             f"(a group_size below in_features={self.in_features} means 'group')")
         # Sized for this geometry so checkpoints load into it like any buffer;
         # all zeros is not a valid blob until packed weights are loaded.
         nbytes = ops.packed_nbytes(fmt, out_features, in_features, self.group_size)
@@ -91,7 +104,13 @@ class LowBitLinear(nn.Module):
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, *, format: str | None = None,
                    group_size: int = 0, bias: torch.Tensor | None = None,
                    granularity: str | None = None) -> "LowBitLinear":
+        if codes.dim() != 2:
+            raise ValueError(f"codes must be 2-D [out_features, in_features], got shape {tuple(codes.shape)}")
         M, K = codes.shape
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (M,):
+                raise ValueError(f"bias must be a floating-point tensor of shape ({M},), got "
+                                 f"{getattr(bias, 'dtype', type(bias))} of shape {tuple(getattr(bias, 'shape', ()))}")
         layer = cls(K, M, bias is not None, format=format, group_size=group_size,
                     granularity=granularity)
         layer.packed = ops.pack(codes, scales, layer.format, layer.group_size)
@@ -136,10 +155,10 @@ class LowBitLinear(nn.Module):
         # Decode calls last microseconds: the common case is one op call, with
         # the parameter dicts read directly (nn.Module.__getattr__ is slow).
         bias = self._parameters["bias"]
-        if (x.dtype in _KERNEL_DTYPES and x.is_cpu and x.shape[-1] == self.in_features
+        if (x.dtype in _KERNEL_DTYPES and x.is_cpu and x.dim() and x.shape[-1] == self.in_features
                 and not self.force_reference and (bias is None or bias.dtype in _KERNEL_DTYPES)):
             return _kernel_linear(self, x, bias)
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, "
                              f"got input of shape {tuple(x.shape)}")
         if not x.is_floating_point():

@@ -4,6 +4,20 @@ import fnmatch
 from torch import nn
 
 
+def patterns(value, what: str) -> list[str]:
+    """include / exclude as a list of fnmatch patterns; one string is one
+    pattern (iterating it would match every name against its characters)."""
+    if isinstance(value, str):
+        return [value]
+    try:
+        out = list(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a list of fnmatch patterns, got {type(value).__name__}") from None
+    if not all(isinstance(p, str) for p in out):
+        raise TypeError(f"{what} must be a list of fnmatch patterns (strings), got {out!r}")
+    return out
+
+
 def name_selected(name: str, include: list[str], exclude: list[str]) -> bool:
     """Whether a dotted module name matches an include pattern and no exclude
     pattern (fnmatch, case-sensitive): exclude wins."""
