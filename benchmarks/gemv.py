@@ -89,7 +89,7 @@ def time_hot(fn, reps):
 
 
 def check_pool_threads(fmt, nt):
-    bits = 1 if fmt == "binary" else 2
+    bits = get_format(fmt).bits
     try:
         n = ulbtorch.runtime.scheduler_stats(bits)["nthreads"]
     except Exception:  # noqa: BLE001  (stats are informational)

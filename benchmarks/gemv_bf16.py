@@ -7,6 +7,7 @@ than L3) and, with --gemv-shapes, the decode shapes of shapes.json.
 
   python benchmarks/gemv_bf16.py                      # lm_head of every config, 1 and 2 threads
   python benchmarks/gemv_bf16.py --gemv-shapes --models falcon3-1b
+  python benchmarks/gemv_bf16.py --int8               # + the same matrices packed to int8 (lm_head_bits=8)
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def main(argv=None):
     p.add_argument("--models", help="comma-separated subset of shapes.json's configs / gemv_shapes")
     p.add_argument("--gemv-shapes", action="store_true", help="also the decode GEMV shapes of shapes.json")
     p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    p.add_argument("--int8", action="store_true",
+                   help="also each matrix packed to int8 (what quantize_(..., lm_head_bits=8) makes of lm_head), "
+                        "through torch.ops.ulb.linear, with a stream read of its blobs")
     p.add_argument("--reps", type=int, default=9, help="rounds of samples (median of per-round ratios)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
@@ -59,7 +63,9 @@ def main(argv=None):
                           ("us_bf16", "us F.linear", ".0f"), ("gbps", "GB/s ours", ".1f"),
                           ("gbps_bf16", "GB/s F.linear", ".1f"), ("gbps_stream", "GB/s stream", ".1f"),
                           ("pct_stream", "% stream", ".0f"), ("pct_stream_bf16", "F.linear % stream", ".0f"),
-                          ("speedup", "x vs F.linear", ".2f")],
+                          ("speedup", "x vs F.linear", ".2f")]
+                         + ([("us_int8", "us int8", ".0f"), ("pct_stream_int8", "int8 % stream", ".0f"),
+                             ("x_int8", "int8 x vs ours", ".2f")] if args.int8 else []),
                          title="One-token bf16 GEMV, cold", min_widths=dict(model=16, what=8, shape=12))
     gen = torch.Generator().manual_seed(0)
     prev = torch.get_num_threads()
@@ -69,13 +75,20 @@ def main(argv=None):
             count = common.cold_rotation(nbytes)
             ws = common.replicate([torch.randn(M, K, generator=gen).to(torch.bfloat16)], count)
             x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+            if args.int8:
+                codes = torch.randint(0, 255, (M, K), generator=gen, dtype=torch.uint8)  # codes 0..254
+                blob = ulbtorch.ops.pack(codes, torch.rand(M, 1, generator=gen) * 1e-3 + 1e-4, "int8")
+                del codes
+                bs = common.replicate([blob], common.cold_rotation(blob.numel()))
             for nt in threads:
                 torch.set_num_threads(nt)
                 samples = []
-                common.time_interleaved(
-                    [(ws, lambda w: torch.ops.ulb.linear_bf16(x, w, None)), (ws, lambda w: F.linear(x, w)),
-                     (ws, lambda w: ulbtorch.runtime.read_probe(w.view(-1), nt))],
-                    reps=args.reps, samples_out=samples)
+                cands = [(ws, lambda w: torch.ops.ulb.linear_bf16(x, w, None)), (ws, lambda w: F.linear(x, w)),
+                         (ws, lambda w: ulbtorch.runtime.read_probe(w.view(-1), nt))]
+                if args.int8:
+                    cands += [(bs, lambda b: torch.ops.ulb.linear(x, b, None, M)),
+                              (bs, lambda b: ulbtorch.runtime.read_probe(b, nt))]
+                common.time_interleaved(cands, reps=args.reps, samples_out=samples)
                 ours, ref, stream = (statistics.median(s) for s in samples)
                 table.add(dict(model=model, what=what, shape=f"{M}x{K}", threads=nt,
                                rot=f"{count}x{nbytes / MiB:.1f}M", us=1e6 * ours, us_bf16=1e6 * ref,
@@ -83,8 +96,14 @@ def main(argv=None):
                                gbps_stream=nbytes / stream / 1e9,
                                pct_stream=100 * common.median_ratio(samples[2], samples[0]),
                                pct_stream_bf16=100 * common.median_ratio(samples[2], samples[1]),
-                               speedup=common.median_ratio(samples[1], samples[0])), echo=True)
+                               speedup=common.median_ratio(samples[1], samples[0]),
+                               **(dict(us_int8=1e6 * statistics.median(samples[3]),
+                                       pct_stream_int8=100 * common.median_ratio(samples[4], samples[3]),
+                                       x_int8=common.median_ratio(samples[0], samples[3])) if args.int8 else {})),
+                          echo=True)
             del ws
+            if args.int8:
+                del bs, blob
     finally:
         torch.set_num_threads(prev)
 
@@ -96,6 +115,10 @@ def main(argv=None):
             line = (f"{nt} thr: ulb.linear_bf16 median {statistics.median(r['pct_stream'] for r in rs):.0f}% of a "
                     f"stream read of the same weights, F.linear {statistics.median(r['pct_stream_bf16'] for r in rs):.0f}%;"
                     f" geomean {common.geomean(r['speedup'] for r in rs):.2f}x faster than F.linear, {len(rs)} shapes")
+            if args.int8:
+                line += (f"; int8: median {statistics.median(r['pct_stream_int8'] for r in rs):.0f}% of a stream read "
+                         f"of its blobs, geomean {common.geomean(r['x_int8'] for r in rs):.2f}x faster than the "
+                         "bf16 GEMV")
             print(line)
             notes.append(line)
     common.write_outputs([table], json_path=args.json, md_path=args.markdown,
