@@ -285,3 +285,23 @@ def test_int8_absmax_codes(gen):
     top = w.abs().argmax(dim=1, keepdim=True)
     assert torch.equal(levels.gather(1, top).abs(), torch.full((M_OUT, 1), 127, dtype=torch.int32))
     assert ((levels * scales - w).abs() <= scales / 2 * (1 + 1e-6)).all()
+
+
+def test_reference_path_sees_new_weights(gen):
+    """The pure-PyTorch path caches the dequantised weight; replacing or
+    editing the packed blob must never leave it stale."""
+    def want(src):
+        return F.linear(ops.fake_quantize_activations(x), src.dequantize(), src.bias)
+
+    layer, b, c, d = (_layer(gen, gs=0)[1] for _ in range(4))
+    layer.force_reference = True
+    x = torch.randn(3, K_IN, generator=gen)
+    assert torch.equal(layer(x), want(layer)) and torch.equal(layer(x), want(layer))  # the second from the cache
+    layer.load_state_dict(b.state_dict())  # another blob, loaded into this layer
+    assert torch.equal(layer(x), want(b))
+    layer.packed, layer.bias = c.packed.clone(), c.bias  # a new tensor
+    assert torch.equal(layer(x), want(c))
+    with torch.no_grad():
+        layer.packed.copy_(d.packed)  # edited in place
+    layer.bias = d.bias
+    assert torch.equal(layer(x), want(d))

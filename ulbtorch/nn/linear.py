@@ -97,7 +97,7 @@ class LowBitLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.force_reference = False  # run the pure-PyTorch path even on CPU
-        self._dequant_cache: dict[tuple, torch.Tensor] = {}
+        self._dequant_cache: tuple | None = None  # (packed tensor, its _version, device, weight)
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -169,14 +169,16 @@ class LowBitLinear(nn.Module):
 
 
     def _dequantized(self, device) -> torch.Tensor:
-        """dequantize() on `device`, cached while `packed` is the same tensor, unmodified."""
+        """dequantize() on `device`, cached while `packed` is the same tensor, unmodified.
+        The cache holds that tensor itself: an address or id could be reused
+        by a new blob once the old one is freed."""
         packed = self._buffers["packed"]
-        key = (device, packed.data_ptr(), packed._version)
-        w = self._dequant_cache.get(key)
-        if w is None:
-            self._require_packed()
-            w = self.dequantize().to(device)
-            self._dequant_cache = {key: w}
+        c = self._dequant_cache
+        if c is not None and c[0] is packed and c[1] == packed._version and c[2] == device:
+            return c[3]
+        self._require_packed()
+        w = self.dequantize().to(device)
+        self._dequant_cache = (packed, packed._version, device, w)
         return w
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,12 +212,12 @@ class LowBitLinear(nn.Module):
             # The blob's size depends on the shape and format: resize, then let
             # nn.Module copy it in as usual.
             self.packed = torch.empty_like(blob, device=self.packed.device)
-            self._dequant_cache = {}
+            self._dequant_cache = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
     def _apply(self, fn, recurse=True):
-        self._dequant_cache = {}
+        self._dequant_cache = None
         return super()._apply(fn, recurse)
 
 
