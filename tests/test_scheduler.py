@@ -94,3 +94,23 @@ def test_reset_clears_table(blob, two_threads):
     runtime.scheduler_reset()
     st = runtime.scheduler_stats(2)
     assert st["calls"] == 0 and st["nthreads"] == 0
+
+
+def test_starved_thread_stays_measured_and_recovers(two_threads):
+    """On a matrix of few panels, a thread slowed so much that its ratio
+    rounds to zero panels still gets one, so the table keeps moving and the
+    thread wins its share back once it is fast again (a thread with no work
+    is not measured, and the table would stay frozen)."""
+    M4 = 4 * 64
+    g = torch.Generator().manual_seed(2)
+    small = ops.pack(torch.randint(0, 4, (M4, K), generator=g, dtype=torch.uint8), torch.ones(M4, 1), "int2_sym")
+    x = torch.randn(1, K, generator=g)
+    runtime.set_thread_slowdown(1, 50.0)
+    for _ in range(30):
+        torch.ops.ulb.linear(x, small, None, M4)
+        assert runtime.scheduler_stats(2)["last_panels"] in ([3, 1], [2, 2], [1, 3]), runtime.scheduler_stats(2)
+    assert runtime.scheduler_stats(2)["ratio"][1] < 0.1
+    runtime.set_thread_slowdown(1, 1.0)
+    for _ in range(400):
+        torch.ops.ulb.linear(x, small, None, M4)
+    assert runtime.scheduler_stats(2)["ratio"][1] > 0.2, runtime.scheduler_stats(2)

@@ -43,6 +43,7 @@ void ulb_sched_split(int family, int n, int64_t nwork, int64_t *begin, int64_t *
     pthread_mutex_lock(&lock);
     table *t = &tables[family];
     if (t->nthreads != n) reset_table(t, n);
+    int64_t share[ULB_MAX_THREADS];
     double cum = 0.0;
     int64_t prev = 0;
     for (int i = 0; i < n; i++) {
@@ -50,9 +51,26 @@ void ulb_sched_split(int family, int n, int64_t nwork, int64_t *begin, int64_t *
         int64_t e = i == n - 1 ? nwork : (int64_t)(cum * (double)nwork + 0.5);
         if (e < prev) e = prev;
         if (e > nwork) e = nwork;
-        begin[i] = prev;
-        end[i] = e;
+        share[i] = e - prev;
         prev = e;
+    }
+    /* Every thread keeps at least one unit when there are enough: a thread
+     * given none is not measured, the table stops moving (see
+     * ulb_sched_record), and a small-matrix family whose ratio rounds a
+     * thread down to nothing would keep it idle for good. */
+    if (nwork >= n)
+        for (int i = 0; i < n; i++)
+            while (share[i] < 1) {
+                int big = 0;
+                for (int j = 1; j < n; j++)
+                    if (share[j] > share[big]) big = j;
+                share[big]--;
+                share[i]++;
+            }
+    prev = 0;
+    for (int i = 0; i < n; i++) {
+        begin[i] = prev;
+        end[i] = prev += share[i];
     }
     pthread_mutex_unlock(&lock);
 }
