@@ -179,6 +179,8 @@ def main(argv=None):
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
+    if args.quantize_lm_head and args.lm_head_bits:
+        p.error("--quantize-lm-head (lm_head in the layers' format) and --lm-head-bits exclude each other")
 
     if args.quick:
         args.layers = args.layers or 1

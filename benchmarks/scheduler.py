@@ -194,7 +194,7 @@ def main(argv=None):
     if args.slowdown < 1.0:
         common.die("--slowdown must be >= 1")
     fmt = common.parse_formats(args.format)[0]
-    bits = 1 if common.FORMAT_BITS[fmt] == 1 else 2
+    bits = common.FORMAT_BITS[fmt]  # the scheduler table of that kernel family
     try:
         M, K = (int(v) for v in args.shape.lower().split("x"))
     except ValueError:

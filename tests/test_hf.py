@@ -152,8 +152,27 @@ def test_lm_head_bits_int8(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(prompt()).logits, model(prompt()).logits)
     # lm_head_bits is for layers include/exclude leave out, and takes the values bits takes.
-    with pytest.raises(ValueError, match="already select"):
+    with pytest.raises(ValueError, match="is for an lm_head that include/exclude leave out"):
         ulbtorch.quantize_(tiny_llama(), bits=2, exclude=[], lm_head_bits=8)
+    # An output layer by another name (get_output_embeddings) is the head too; the
+    # default exclude does not cover it, so the clash is named.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.output = nn.Linear(16, 16), nn.Linear(16, 32)
+
+        def get_output_embeddings(self):
+            return self.output
+
+    with pytest.raises(ValueError, match=r"already select \['output'\]"):
+        ulbtorch.quantize_(Net(), bits=2, lm_head_bits=8)
+    net = ulbtorch.quantize_(Net(), bits=2, exclude=["output", "lm_head"], lm_head_bits=8)
+    assert type(net.output) is Linear8Bit and type(net.body) is Linear2Bit
+    seq = nn.Sequential()
+    seq.add_module("body", nn.Linear(16, 16))
+    seq.add_module("output", nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="no plain linear layer named lm_head"):
+        ulbtorch.quantize_(seq, bits=2, lm_head_bits=8)
     with pytest.raises(ValueError, match="bits must be"):
         ulbtorch.QuantConfig(lm_head_bits=4)
 

@@ -305,3 +305,7 @@ def test_reference_path_sees_new_weights(gen):
         layer.packed.copy_(d.packed)  # edited in place
     layer.bias = d.bias
     assert torch.equal(layer(x), want(d))
+    for src in (b, c):  # storage swapped under the same tensor object (no _version bump)
+        layer.packed.data = src.packed.clone()
+        layer.bias = src.bias
+        assert torch.equal(layer(x), want(src))

@@ -63,6 +63,9 @@ class QuantConfig:
             self.format = _format_for_bits(self.bits)
         if self.lm_head_bits is not None:
             _format_for_bits(self.lm_head_bits)
+            if self.selects("lm_head"):
+                raise ValueError(f"lm_head_bits={self.lm_head_bits!r} is for an lm_head that include/exclude "
+                                 f"leave out, but they select it (include={self.include}, exclude={self.exclude})")
         if self.format not in FORMATS:
             raise ValueError(f"unknown format {self.format!r}; known: {sorted(FORMATS)}")
         block = FORMATS[self.format].k_block
@@ -89,6 +92,19 @@ class QuantConfig:
             return None
         return QuantConfig(bits=self.lm_head_bits, include=list(LM_HEAD), exclude=[], bf16_gemv=False)
 
+    def head_layers(self, model: nn.Module) -> list[tuple[str, nn.Linear]]:
+        """The layers lm_head_bits applies to: those named lm_head, and the
+        model's output embedding (get_output_embeddings) if it is a linear layer."""
+        head = self.head_config()
+        if head is None:
+            return []
+        out = getattr(model, "get_output_embeddings", lambda: None)()
+        found = linear_layers(model, lambda n: head.selects(n) or model.get_submodule(n) is out)
+        if not found:
+            raise ValueError(f"lm_head_bits={self.lm_head_bits!r}: the model has no plain linear layer named "
+                             "lm_head and no linear output embedding")
+        return found
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -103,12 +119,11 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     elif kwargs:
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
     targets = [(n, m, config) for n, m in linear_layers(model, config.selects)]
-    head = config.head_config()
-    if head is not None:
-        clash = [n for n, _, _ in targets if head.selects(n)]
-        if clash:
-            raise ValueError(f"lm_head_bits={config.lm_head_bits!r} but include/exclude already select {clash}")
-        targets += [(n, m, head) for n, m in linear_layers(model, head.selects)]
+    head_layers = config.head_layers(model)
+    clash = sorted({n for n, _, _ in targets} & {n for n, _ in head_layers})
+    if clash:
+        raise ValueError(f"lm_head_bits={config.lm_head_bits!r} but include/exclude already select {clash}")
+    targets += [(n, m, config.head_config()) for n, m in head_layers]
     float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
     packed_bytes = 0
     if progress:

@@ -4,6 +4,7 @@ the bf16 layers on the bf16 GEMV), so a model built from its config loads
 back bit-exactly without re-quantising."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -68,5 +69,5 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
                          f"unexpected {unexpected[:5]}")
     gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
     if gemv:
-        bf16_gemv_(model, include=gemv)
+        bf16_gemv_(model, include=[glob.escape(n) for n in gemv])  # names, not patterns
     return model

@@ -39,8 +39,9 @@ const char *ulb_status_str(ulb_status s) {
 }
 
 /* Accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
- * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31), and sum q x of
- * 8-bit codes stays below 254 * 127 * 65536 < 2^31. */
+ * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31), and |sum q x| of
+ * 8-bit codes stays at most 254 * 128 * 65536 < 2^31 (activations are
+ * -127..127 from ulb_quantize_act; int_dots takes -128 too). */
 #define ULB_MAX_K (1LL << 16)
 #define ULB_MAX_M (1LL << 26)
 

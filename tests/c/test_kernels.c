@@ -86,6 +86,11 @@ int main(void) {
         fails += check_bf16(Ms[a], Ks[b], Ks[b] + (a % 2) * 5, 1 + b % 2);
         n++;
     }
+    /* int8 groups narrower than any other format's tile */
+    for (int a = 1; a < 4; a++) for (int c = 0; c < 4; c++) {
+        fails += check(ULB_FMT_INT8, Ms[a], 257, 12, Ns[c]);
+        n++;
+    }
     printf("%d passed, %d failed\n", n - fails, fails);
     return fails != 0;
 }

@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from ..nn import LinearTernary, replace_module
+from ..nn import LinearTernary, bf16_gemv_, replace_module
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")
@@ -75,7 +75,8 @@ def _selected(name: str, skip: list[str]) -> bool:
     return not any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
 
 
-def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat16,
+                           bf16_gemv: bool = True) -> nn.Module:
     """Load an HF BitNet checkpoint directory into a transformers model whose
     quantised linears are LinearTernary (per-tensor scale), with no download
     and no re-quantisation."""
@@ -138,14 +139,17 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise ValueError(f"{directory}: checkpoint lacks tensors {still_meta[:5]}")
+    if bf16_gemv:  # as quantize_: the bf16 layers left (lm_head) on the one-token bf16 GEMV
+        bf16_gemv_(model)
     return model.eval()
 
 
-def convert_bitnet_model(model: nn.Module) -> nn.Module:
+def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Module:
     """After transformers' own `from_pretrained` of a BitNet checkpoint: swap
     its BitLinear / AutoBitLinear layers for LinearTernary, in place. The
     model's quantization config becomes ulbtorch's, so save_pretrained and
-    from_pretrained keep working."""
+    from_pretrained keep working. bf16_gemv as in quantize_ (and recorded in
+    that config, so a reload gets the same layers)."""
     from transformers.integrations.bitnet import AutoBitLinear, BitLinear
 
     converted = 0
@@ -178,11 +182,14 @@ def convert_bitnet_model(model: nn.Module) -> nn.Module:
 
         qc = config.quantization_config
         skip = getattr(qc, "modules_to_not_convert", None) or ["lm_head"]
-        ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip))
+        ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip),
+                        bf16_gemv=bf16_gemv)
         config.quantization_config = ulb
         model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
         if hasattr(model, "_weight_conversions"):
             # transformers would replay BitNet's load-time conversion backwards
             # on save; our layers are saved as they are.
             model._weight_conversions = []
+    if bf16_gemv:
+        bf16_gemv_(model)
     return model

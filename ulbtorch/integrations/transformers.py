@@ -21,8 +21,8 @@ QUANT_METHOD = "ulb"
 
 @register_quantization_config(QUANT_METHOD)
 class UlbConfig(QuantizationConfigMixin):
-    """bits: 1, "ternary" or 2 (or format: "int2_sym" | "int2" | "ternary" |
-    "binary"); group_size 0 = per output channel; modules_to_not_convert:
+    """bits: 1, "ternary", 2 or 8 (or format: "int2_sym" | "int2" | "ternary" |
+    "binary" | "int8"); group_size 0 = per output channel; modules_to_not_convert:
     fnmatch patterns kept in float (default lm_head); bf16_gemv (default
     True): run the layers kept in bf16 through nn.LinearBF16; lm_head_bits
     (default None): quantize lm_head too, e.g. 8 for int8 (see QuantConfig)."""
@@ -51,14 +51,14 @@ class UlbConfig(QuantizationConfigMixin):
                            lm_head_bits=self.lm_head_bits)
 
 
-def _check_untied_output(model, configs) -> None:
+def _check_untied_output(model, names) -> None:
     """transformers ties lm_head.weight to the input embedding when the
     config says so, at save and at load; a packed lm_head has no such weight."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return
     out = model.get_output_embeddings()
-    for name, m in model.named_modules():
-        if m is out and any(c.selects(name) for c in configs):
+    for name in names:
+        if model.get_submodule(name) is out:
             raise ValueError(f"ulb: {name!r} shares its weight with the input embedding (tie_word_embeddings), "
                              "so transformers cannot save or load it packed; keep it in bf16 (the default), or "
                              "quantize it with ulbtorch.quantize_(..., lm_head_bits=8) and ulbtorch.save_quantized")
@@ -71,15 +71,16 @@ class UlbHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config.to_quant_config()
         head = cfg.head_config()
-        _check_untied_output(model, [cfg] + ([head] if head else []))
+        targets = [(n, m, cfg) for n, m in linear_layers(model, cfg.selects)]
+        targets += [(n, m, head) for n, m in cfg.head_layers(model)]
+        _check_untied_output(model, [n for n, _, _ in targets])
         if not self.pre_quantized:
             return model
-        for c in [cfg] + ([head] if head else []):
-            for name, lin in linear_layers(model, c.selects):
-                layer = MODULE_FOR_FORMAT[c.format](lin.in_features, lin.out_features, lin.bias is not None,
-                                                    format=c.format, device=lin.weight.device,
-                                                    dtype=lin.weight.dtype, **c.layer_args(lin.in_features))
-                replace_module(model, name, layer)
+        for name, lin, c in targets:
+            layer = MODULE_FOR_FORMAT[c.format](lin.in_features, lin.out_features, lin.bias is not None,
+                                                format=c.format, device=lin.weight.device,
+                                                dtype=lin.weight.dtype, **c.layer_args(lin.in_features))
+            replace_module(model, name, layer)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

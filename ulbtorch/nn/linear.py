@@ -97,7 +97,7 @@ class LowBitLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.force_reference = False  # run the pure-PyTorch path even on CPU
-        self._dequant_cache: tuple | None = None  # (packed tensor, its _version, device, weight)
+        self._dequant_cache: tuple | None = None  # see _dequantized
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -169,16 +169,17 @@ class LowBitLinear(nn.Module):
 
 
     def _dequantized(self, device) -> torch.Tensor:
-        """dequantize() on `device`, cached while `packed` is the same tensor, unmodified.
-        The cache holds that tensor itself: an address or id could be reused
-        by a new blob once the old one is freed."""
+        """dequantize() on `device`, cached while `packed` reads the same bytes:
+        same storage (held by the cache, so a new blob cannot take over its
+        address), unmodified (_version)."""
         packed = self._buffers["packed"]
+        key = (packed.data_ptr(), packed._version, device)
         c = self._dequant_cache
-        if c is not None and c[0] is packed and c[1] == packed._version and c[2] == device:
-            return c[3]
+        if c is not None and c[0] == key:
+            return c[2]
         self._require_packed()
         w = self.dequantize().to(device)
-        self._dequant_cache = (packed, packed._version, device, w)
+        self._dequant_cache = (key, packed.untyped_storage(), w)
         return w
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
