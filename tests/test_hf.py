@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=500)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CLS = {2: Linear2Bit, 1: Linear1Bit, "ternary": LinearTernary}
+CLS = {2: Linear2Bit, 1: Linear1Bit, "ternary": LinearTernary, 8: Linear8Bit}
 
 
 def tiny_llama(seed=0):
@@ -57,7 +57,7 @@ def generate(model, ids):
 
 
 @pytest.mark.parametrize("group_size", [0, 64])
-@pytest.mark.parametrize("bits", [2, 1, "ternary"])
+@pytest.mark.parametrize("bits", [2, 1, "ternary", 8])
 def test_generate_kernels_equal_reference(bits, group_size):
     model = ulbtorch.quantize_(tiny_llama(), bits=bits, group_size=group_size)
     n_layers = CONFIG["num_hidden_layers"] * len(PROJ)

@@ -35,7 +35,7 @@ def test_merged_column_parallel_qkv(tp):
         assert torch.equal(got, w)
 
 
-@pytest.mark.parametrize("fmt,gs", [("int2_sym", 32), ("binary", 64), ("ternary", 0)])
+@pytest.mark.parametrize("fmt,gs", [("int2_sym", 32), ("binary", 64), ("ternary", 0), ("int8", 4)])
 def test_row_parallel_partial_sums_add_up(fmt, gs):
     M, K, tp = 48, 256, 2
     full = blob(M, K, fmt, gs)
