@@ -102,6 +102,17 @@ for label, kwargs in {"2-bit, group 32": dict(bits=2, group_size=32),
     results[label] = perplexity(q)
     quantized[label] = q
 
+# %% [markdown]
+# ## An int8 lm_head
+#
+# `lm_head_bits=8` packs lm_head as int8 (absmax per row; int8 activations like every ulbtorch layer), half
+# the bytes of bf16. `include=[]` leaves every other layer in float, so this measures the int8 lm_head alone.
+
+# %%
+head8 = ulbtorch.quantize_(copy.deepcopy(model), bits=2, include=[], lm_head_bits=8)
+results["float, int8 lm_head"] = perplexity(head8)
+del head8
+
 for label, ppl in results.items():
     print(f"perplexity  {label:32s} {ppl:10.2f}")
 
