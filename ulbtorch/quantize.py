@@ -105,6 +105,16 @@ class QuantConfig:
                              "lm_head and no linear output embedding")
         return found
 
+    def targets(self, model: nn.Module) -> list[tuple[str, nn.Linear, "QuantConfig"]]:
+        """Every layer this config converts, with the config that applies to
+        it: the selected layers, then the lm_head layers of lm_head_bits."""
+        main = [(n, m, self) for n, m in linear_layers(model, self.selects)]
+        head = self.head_layers(model)
+        clash = sorted({n for n, _, _ in main} & {n for n, _ in head})
+        if clash:
+            raise ValueError(f"lm_head_bits={self.lm_head_bits!r} but include/exclude already select {clash}")
+        return main + [(n, m, self.head_config()) for n, m in head]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -118,12 +128,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         config = QuantConfig(**kwargs)
     elif kwargs:
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
-    targets = [(n, m, config) for n, m in linear_layers(model, config.selects)]
-    head_layers = config.head_layers(model)
-    clash = sorted({n for n, _, _ in targets} & {n for n, _ in head_layers})
-    if clash:
-        raise ValueError(f"lm_head_bits={config.lm_head_bits!r} but include/exclude already select {clash}")
-    targets += [(n, m, config.head_config()) for n, m in head_layers]
+    targets = config.targets(model)
     float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
     packed_bytes = 0
     if progress:

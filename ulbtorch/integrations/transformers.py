@@ -14,7 +14,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import patterns
-from ..quantize import QuantConfig, linear_layers, quantize_
+from ..quantize import QuantConfig, quantize_
 
 QUANT_METHOD = "ulb"
 
@@ -69,10 +69,7 @@ class UlbHfQuantizer(HfQuantizer):
     requires_calibration = False
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        cfg = self.quantization_config.to_quant_config()
-        head = cfg.head_config()
-        targets = [(n, m, cfg) for n, m in linear_layers(model, cfg.selects)]
-        targets += [(n, m, head) for n, m in cfg.head_layers(model)]
+        targets = self.quantization_config.to_quant_config().targets(model)
         _check_untied_output(model, [n for n, _, _ in targets])
         if not self.pre_quantized:
             return model
