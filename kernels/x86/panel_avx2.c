@@ -144,20 +144,15 @@ static void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
     }
 }
 
-static void panel_2bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
-                       int64_t n0, int nb, float *facc, int32_t *dots) {
-    panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 2);
-}
-
-static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
-                       int64_t n0, int nb, float *facc, int32_t *dots) {
-    panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 1);
-}
-
-static void panel_8bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
-                       int64_t n0, int nb, float *facc, int32_t *dots) {
-    panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, 8);
-}
+/* panel_1bit, panel_2bit, panel_8bit: panel_bits with the code width fixed. */
+#define ULB_PANEL_FN(BITS)                                                                         \
+    static void panel_##BITS##bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, \
+                                  int64_t n0, int nb, float *facc, int32_t *dots) {                \
+        panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS);                                 \
+    }
+ULB_PANEL_FN(1)
+ULB_PANEL_FN(2)
+ULB_PANEL_FN(8)
 
 void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                     int64_t n0, int nb, float *facc, int32_t *dots) {

@@ -155,20 +155,16 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
 #define ULB_CASES_NB(BITS, NB) ULB_CASE(BITS, NB, 1) ULB_CASE(BITS, NB, 2) ULB_CASE(BITS, NB, 3) ULB_CASE(BITS, NB, 4)
 #define ULB_CASES(BITS) ULB_CASES_NB(BITS, 1) ULB_CASES_NB(BITS, 2) ULB_CASES_NB(BITS, 3) ULB_CASES_NB(BITS, 4)
 
-static void panel_2bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
-                       int nb, float *facc, int32_t *dots) {
-    switch (nb * 8 + ntiles) { ULB_CASES(2) }
-}
-
-static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
-                       int nb, float *facc, int32_t *dots) {
-    switch (nb * 8 + ntiles) { ULB_CASES(1) }
-}
-
-static void panel_8bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
-                       int nb, float *facc, int32_t *dots) {
-    switch (nb * 8 + ntiles) { ULB_CASES(8) }
-}
+/* panel_1bit, panel_2bit, panel_8bit: every (tokens, tiles) case compiled
+ * with the code width fixed. */
+#define ULB_PANEL_FN(BITS)                                                                         \
+    static void panel_##BITS##bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, \
+                                  int64_t n0, int nb, float *facc, int32_t *dots) {                \
+        switch (nb * 8 + ntiles) { ULB_CASES(BITS) }                                               \
+    }
+ULB_PANEL_FN(1)
+ULB_PANEL_FN(2)
+ULB_PANEL_FN(8)
 
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                       int64_t n0, int nb, float *facc, int32_t *dots) {
