@@ -97,14 +97,19 @@ _check_isa_env()
 
 
 @contextlib.contextmanager
-def use_isa(name: str):
-    """Run the enclosed calls on one ISA's kernels (tests and benchmarks)."""
-    previous = get_isa()
-    set_isa(name)
+def _setting(get, set_, value):
+    """set_(value) for the enclosed calls, then back to get()'s value."""
+    previous = get()
+    set_(value)
     try:
         yield
     finally:
-        set_isa(previous)
+        set_(previous)
+
+
+def use_isa(name: str):
+    """Run the enclosed calls on one ISA's kernels (tests and benchmarks)."""
+    return _setting(get_isa, set_isa, name)
 
 
 def lut1_available() -> bool:
@@ -128,15 +133,9 @@ def set_lut1(on: bool) -> None:
     _lib.ulb_lut1_enable(int(bool(on)))
 
 
-@contextlib.contextmanager
 def use_lut1(on: bool):
     """Run the enclosed calls with the 1-bit lookup-table kernel on or off."""
-    previous = lut1_enabled()
-    set_lut1(on)
-    try:
-        yield
-    finally:
-        set_lut1(previous)
+    return _setting(lut1_enabled, set_lut1, on)
 
 
 def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
