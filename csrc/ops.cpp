@@ -165,6 +165,13 @@ Bias checked_bias(const std::optional<Tensor> &bias, int64_t M, const char *op) 
   return {b, b.const_data_ptr(), dt};
 }
 
+// The output of a linear op: x's leading dims and dtype, M features.
+Tensor new_output(const Tensor &x, int64_t M) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = M;
+  return new_tensor(shape, x.scalar_type());
+}
+
 Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
   const ulb_header h = check_packed(packed, "linear");
   check_cpu(x, "linear", "input");
@@ -176,9 +183,7 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
   STD_TORCH_CHECK(out_features == h.M, "ulb.linear: out_features=", out_features,
                   " but the packed weight has ", h.M, " rows");
   const Bias b = checked_bias(bias, h.M, "linear");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = h.M;
-  Tensor y = new_tensor(shape, x.scalar_type());
+  Tensor y = new_output(x, h.M);
   const Rows rows = as_rows(x, K);
   if (rows.N == 0) return y;
   check_ok(ulb_linear(blob_ptr(packed), packed.numel(), rows.N, rows.t.const_data_ptr(), xdt, rows.ld,
@@ -240,9 +245,7 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   STD_TORCH_CHECK(x.dim() >= 1 && x.size(x.dim() - 1) == K, "ulb.linear_bf16: input has ",
                   x.dim() ? x.size(x.dim() - 1) : 0, " features but the weight expects ", K);
   const Bias b = checked_bias(bias, M, "linear_bf16");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = M;
-  Tensor y = new_tensor(shape, x.scalar_type());
+  Tensor y = new_output(x, M);
   const Rows rows = as_rows(x, K);
   const int nthreads = static_cast<int>(torch::stable::get_num_threads());
   for (int64_t n = 0; n < rows.N; n++)

@@ -99,7 +99,7 @@ class QuantConfig:
         if head is None:
             return []
         out = getattr(model, "get_output_embeddings", lambda: None)()
-        found = linear_layers(model, lambda n: head.selects(n) or model.get_submodule(n) is out)
+        found = [(n, m) for n, m in linear_layers(model, lambda n: True) if m is out or head.selects(n)]
         if not found:
             raise ValueError(f"lm_head_bits={self.lm_head_bits!r}: the model has no plain linear layer named "
                              "lm_head and no linear output embedding")
@@ -113,7 +113,8 @@ class QuantConfig:
         clash = sorted({n for n, _, _ in main} & {n for n, _ in head})
         if clash:
             raise ValueError(f"lm_head_bits={self.lm_head_bits!r} but include/exclude already select {clash}")
-        return main + [(n, m, self.head_config()) for n, m in head]
+        head_cfg = self.head_config()
+        return main + [(n, m, head_cfg) for n, m in head]
 
     def to_dict(self) -> dict:
         return asdict(self)

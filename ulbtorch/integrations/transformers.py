@@ -51,14 +51,14 @@ class UlbConfig(QuantizationConfigMixin):
                            lm_head_bits=self.lm_head_bits)
 
 
-def _check_untied_output(model, names) -> None:
+def _check_untied_output(model, targets) -> None:
     """transformers ties lm_head.weight to the input embedding when the
     config says so, at save and at load; a packed lm_head has no such weight."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return
     out = model.get_output_embeddings()
-    for name in names:
-        if model.get_submodule(name) is out:
+    for name, m, _ in targets:
+        if m is out:
             raise ValueError(f"ulb: {name!r} shares its weight with the input embedding (tie_word_embeddings), "
                              "so transformers cannot save or load it packed; keep it in bf16 (the default), or "
                              "quantize it with ulbtorch.quantize_(..., lm_head_bits=8) and ulbtorch.save_quantized")
@@ -70,7 +70,7 @@ class UlbHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         targets = self.quantization_config.to_quant_config().targets(model)
-        _check_untied_output(model, [n for n, _, _ in targets])
+        _check_untied_output(model, targets)
         if not self.pre_quantized:
             return model
         for name, lin, c in targets:
