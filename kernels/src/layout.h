@@ -50,6 +50,12 @@ static inline int64_t ulb_panel_offset(int64_t ksteps, int64_t n_groups, int64_t
     return p * ULB_PANEL_TILES * (n_groups * ULB_TILE_SCALE_BYTES + ksteps * ULB_TILE_BYTES);
 }
 
+/* Byte offset just past panel p - 1, i.e. the end of panels [0, p). */
+static inline int64_t ulb_panels_end(int64_t M_pad, int64_t ksteps, int64_t n_groups, int64_t p) {
+    return ulb_panel_offset(ksteps, n_groups, p - 1) +
+           ulb_panel_ntiles(M_pad, p - 1) * (n_groups * ULB_TILE_SCALE_BYTES + ksteps * ULB_TILE_BYTES);
+}
+
 /* Byte offset of group g inside a panel of nt tiles: its scales; its codes
  * follow at + nt * ULB_TILE_SCALE_BYTES. Every earlier group is full. */
 static inline int64_t ulb_group_offset(int nt, int64_t gsteps, int64_t g) {

@@ -60,7 +60,7 @@ static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const v
         lut1 = (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes;
         ulb_lut1_build_avx512(q->xq, w->ksteps, lut1);
     }
-    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1};
+    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, NULL};
     return ULB_OK;
 }
 
@@ -88,10 +88,12 @@ static int64_t panel_rows(const ulb_weight *w, int64_t p0, int64_t p1, int64_t *
 static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     const linear_job *job = ctx;
     const ulb_weight *w = job->w;
+    ulb_acts acts = *job->acts;
+    acts.prefetch_end = w->panels + ulb_panels_end(w->M_pad, w->ksteps, w->n_groups, p1);
     int64_t m0;
     if (job->facc1) {
         for (int64_t p = p0; p < p1; p++)
-            job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), job->acts, 0, 1,
+            job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), &acts, 0, 1,
                        job->facc1 + p * ULB_PANEL_ROWS, NULL);
         const int64_t rows = panel_rows(w, p0, p1, &m0);
         job->store(&job->out, job->facc1 + m0, 0, 1, m0, rows);
@@ -102,7 +104,7 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
         const int64_t rows = panel_rows(w, p, p + 1, &m0);
         for (int64_t n0 = 0; n0 < job->N; n0 += ULB_NB_MAX) {
             const int nb = job->N - n0 < ULB_NB_MAX ? (int)(job->N - n0) : ULB_NB_MAX;
-            job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), job->acts, n0, nb, facc, NULL);
+            job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), &acts, n0, nb, facc, NULL);
             job->store(&job->out, facc, n0, nb, m0, rows);
         }
     }
@@ -149,7 +151,8 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     if (!pd) return ULB_ERR_NOMEM;
     uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
     if (lut) ulb_lut1_build_avx512(xq, w.ksteps, lut1);
-    const ulb_acts acts = {xq, w.K_pad, xsum, lut1};
+    const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
+    const ulb_acts acts = {xq, w.K_pad, xsum, lut1, w.panels + ulb_panels_end(w.M_pad, w.ksteps, w.n_groups, npanels)};
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;

@@ -52,9 +52,8 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
         const float *scales = (const float *)group;
         const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
         /* As far ahead of the scales as the tile loop prefetches ahead of codes. */
-        if (ulb_prefetch_bytes(bits) && t0 == 0)
-            for (int t = 0; t < nt; t++)
-                _mm_prefetch((const char *)group + t * ULB_TILE_SCALE_BYTES + ulb_prefetch_bytes(bits), _MM_HINT_T1);
+        if (t0 == 0)
+            for (int t = 0; t < nt; t++) ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, bits, a->prefetch_end);
         __m256i acc[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++)
@@ -66,8 +65,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     const uint8_t *half = codes + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
-                    if (ulb_prefetch_bytes(bits) && h == 0)
-                        _mm_prefetch((const char *)half + ulb_prefetch_bytes(bits), _MM_HINT_T1);
+                    if (h == 0) ulb_prefetch_ahead(half, bits, a->prefetch_end);
                     const __m256i v = _mm256_loadu_si256((const __m256i *)half);
                     __m256i p[ULB_NB_MAX];
                     if (bits == 8) {

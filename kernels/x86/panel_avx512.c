@@ -40,7 +40,8 @@ ALWAYS_INLINE __m512i field(__m512i v, int j, const int bits) {
  * each is scaled back exactly (arithmetic shift of a multiple of its scale)
  * once per group. */
 ALWAYS_INLINE void one_token_group(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *x,
-                                   __m512i acc[ULB_PANEL_TILES], const int nt, const int bits) {
+                                   const uint8_t *pf_end, __m512i acc[ULB_PANEL_TILES], const int nt,
+                                   const int bits) {
     const int fields = 8 / bits, kt = 32 / bits;
     __m512i f4[4][ULB_PANEL_TILES];
 #pragma GCC unroll 4
@@ -50,7 +51,7 @@ ALWAYS_INLINE void one_token_group(const uint8_t *codes, int64_t ks0, int64_t ks
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
             const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
-            if (ulb_prefetch_bytes(bits)) _mm_prefetch((const char *)tile + ulb_prefetch_bytes(bits), _MM_HINT_T1);
+            ulb_prefetch_ahead(tile, bits, pf_end);
             const __m512i v = _mm512_loadu_si512(tile);
             if (bits == 2) touch_line(tile + ULB_TILE_BYTES);
             const __m512i hi = bits == 1 ? _mm512_srli_epi16(v, 4) : v;
@@ -72,8 +73,8 @@ ALWAYS_INLINE void one_token_group(const uint8_t *codes, int64_t ks0, int64_t ks
 
 /* Several tokens: each tile's fields are unpacked once and used nb times. */
 ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
-                                __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb, const int nt,
-                                const int bits) {
+                                const uint8_t *pf_end, __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb,
+                                const int nt, const int bits) {
     const int fields = 8 / bits, kt = 32 / bits;
 #pragma GCC unroll 4
     for (int j = 0; j < nb; j++)
@@ -83,7 +84,7 @@ ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, 
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
             const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
-            if (ulb_prefetch_bytes(bits)) _mm_prefetch((const char *)tile + ulb_prefetch_bytes(bits), _MM_HINT_T1);
+            ulb_prefetch_ahead(tile, bits, pf_end);
             const __m512i v = _mm512_loadu_si512(tile);
 #pragma GCC unroll 8
             for (int f = 0; f < fields; f++) {
@@ -115,20 +116,18 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         const float *scales = (const float *)group;
         const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
         /* As far ahead of the scales as the tile loops prefetch ahead of codes. */
-        if (ulb_prefetch_bytes(bits))
 #pragma GCC unroll 4
-            for (int t = 0; t < nt; t++)
-                _mm_prefetch((const char *)group + t * ULB_TILE_SCALE_BYTES + ulb_prefetch_bytes(bits), _MM_HINT_T1);
+        for (int t = 0; t < nt; t++) ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, bits, a->prefetch_end);
         __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES];
         if (bits == 1 && nb == 1 && a->lut1) {
             int32_t dot1[ULB_PANEL_ROWS] __attribute__((aligned(64)));
-            ulb_lut1_group_avx512(codes, ks0, ks1, nt, a->lut1, dot1);
+            ulb_lut1_group_avx512(codes, ks0, ks1, nt, a->lut1, a->prefetch_end, dot1);
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) acc[0][t] = _mm512_load_si512(dot1 + t * ULB_TILE);
         } else if (nb == 1)
-            one_token_group(codes, ks0, ks1, x[0], acc[0], nt, bits);
+            one_token_group(codes, ks0, ks1, x[0], a->prefetch_end, acc[0], nt, bits);
         else
-            tokens_group(codes, ks0, ks1, x, acc, nb, nt, bits);
+            tokens_group(codes, ks0, ks1, x, a->prefetch_end, acc, nb, nt, bits);
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++) {
             const __m512i vb = _mm512_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
