@@ -7,11 +7,13 @@
  * ~10-14% slower than the 16-byte one unless an 8-byte load of each line
  * goes with it, and the AVX-512 GEMV, whose loads are 64 bytes, lands next
  * to the 64-byte loop.
- * Usage: read_widths [M K format threads rounds]; threads applies to the
- * probe and the GEMV, the plain loops run on the calling thread. */
+ * Usage: read_widths [M K format threads rounds]; every candidate runs on
+ * `threads` threads, the plain loops over the probe's 64 KiB units and
+ * work split. */
 #include <immintrin.h>
 #include <stdio.h>
 
+#include "../../kernels/src/sched.h"
 #include "cold_blobs.h"
 
 static volatile uint64_t sink;
@@ -57,6 +59,27 @@ __attribute__((target("avx512f"))) static void read64_touch(const uint8_t *p, in
 
 enum { PROBE, R16, R32, R64, R64T, GEMV, NCAND };
 
+#define READ_UNIT (64 * 1024) /* as kernels/src/probe.c */
+
+typedef struct {
+    const uint8_t *p;
+    int64_t nbytes;
+    int loop;
+} read_job;
+
+static void read_range(void *ctx, int64_t u0, int64_t u1) {
+    const read_job *job = ctx;
+    const int64_t b0 = u0 * READ_UNIT, b1 = u1 * READ_UNIT < job->nbytes ? u1 * READ_UNIT : job->nbytes;
+    void (*const loops[])(const uint8_t *, int64_t) = {[R16] = read16, [R32] = read32, [R64] = read64,
+                                                       [R64T] = read64_touch};
+    loops[job->loop](job->p + b0, b1 - b0);
+}
+
+static void read_parallel(int loop, const uint8_t *p, int64_t nbytes, int threads) {
+    read_job job = {p, nbytes, loop};
+    ulb_parallel(ULB_SCHED_PROBE, threads, (nbytes + READ_UNIT - 1) / READ_UNIT, read_range, &job);
+}
+
 int main(int argc, char **argv) {
     const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){4096, 4096, ULB_FMT_INT2_SYM, 1, 15});
     const int64_t M = a.M, K = a.K;
@@ -82,10 +105,10 @@ int main(int argc, char **argv) {
             for (int i = 0; i < n; i++) {
                 switch (c) {
                 case PROBE: ulb_read_probe(blobs[i], nbytes, threads, &checksum); break;
-                case R16: read16(blobs[i], nbytes); break;
-                case R32: read32(blobs[i], nbytes); break;
-                case R64: read64(blobs[i], nbytes); break;
-                case R64T: read64_touch(blobs[i], nbytes); break;
+                case R16:
+                case R32:
+                case R64:
+                case R64T: read_parallel(c, blobs[i], nbytes, threads); break;
                 default:
                     if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M,
                                    threads))
@@ -94,7 +117,7 @@ int main(int argc, char **argv) {
             }
             t[c][r] = bench_now_s() - t0;
         }
-    printf("%s M=%ld K=%ld, probe and GEMV on %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
+    printf("%s M=%ld K=%ld, %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
            (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()), rounds, n, nbytes / 1048576.0);
     for (int c = 0; c < NCAND; c++) {
         if (!runs[c]) continue;
