@@ -159,10 +159,10 @@ def test_unknown_format():
     with pytest.raises(RuntimeError, match="unknown format id 9"):
         torch.ops.ulb.pack(codes, torch.ones(M, 1), 9, 0)
     with pytest.raises(ValueError, match="unknown weight format"):
-        ops.dequantize(codes, torch.ones(M, 1), "int4")
-    with pytest.raises(ValueError, match="unknown format 'int4'"):
-        ulbtorch.QuantConfig(format="int4")
-    with pytest.raises(ValueError, match="bits must be 1, 'ternary'/1.58, 2 or 8, got 3"):
+        ops.dequantize(codes, torch.ones(M, 1), "int6")
+    with pytest.raises(ValueError, match="unknown format 'int6'"):
+        ulbtorch.QuantConfig(format="int6")
+    with pytest.raises(ValueError, match="bits must be 1, 'ternary'/1.58, 2, 4 or 8, got 3"):
         ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(K, M)), bits=3)
     with pytest.raises(ValueError, match="Linear2Bit takes formats"):
         Linear2Bit(K, M, format="ternary")

@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 import ulbtorch
-from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear8Bit, LinearTernary, LowBitLinear
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
 
 transformers = pytest.importorskip("transformers")
 
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=500)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CLS = {2: Linear2Bit, 1: Linear1Bit, "ternary": LinearTernary, 8: Linear8Bit}
+CLS = {2: Linear2Bit, 1: Linear1Bit, "ternary": LinearTernary, 4: Linear4Bit, 8: Linear8Bit}
 
 
 def tiny_llama(seed=0):
@@ -57,7 +57,7 @@ def generate(model, ids):
 
 
 @pytest.mark.parametrize("group_size", [0, 64])
-@pytest.mark.parametrize("bits", [2, 1, "ternary", 8])
+@pytest.mark.parametrize("bits", [2, 1, "ternary", 4, 8])
 def test_generate_kernels_equal_reference(bits, group_size):
     model = ulbtorch.quantize_(tiny_llama(), bits=bits, group_size=group_size)
     n_layers = CONFIG["num_hidden_layers"] * len(PROJ)
@@ -174,7 +174,30 @@ def test_lm_head_bits_int8(tmp_path):
     with pytest.raises(ValueError, match="no plain linear layer named lm_head"):
         ulbtorch.quantize_(seq, bits=2, lm_head_bits=8)
     with pytest.raises(ValueError, match="bits must be"):
-        ulbtorch.QuantConfig(lm_head_bits=4)
+        ulbtorch.QuantConfig(lm_head_bits=3)
+
+
+def test_lm_head_bits_int4_groups(tmp_path):
+    model = tiny_llama()
+    float_head = model.lm_head
+    ulbtorch.quantize_(model, bits=2, lm_head_bits=4, lm_head_group_size=32)
+    assert type(model.lm_head) is Linear4Bit and model.lm_head.format == "int4"
+    assert model.lm_head.group_size == 32 and model.lm_head.granularity == "group"
+    assert all(type(model.get_submodule(n)) is Linear2Bit for n in lowbit_names(model) - {"lm_head"})
+    # 15 levels per group of 32 (mse scales), int8 activations: logits within ~10%.
+    with torch.no_grad():
+        h = model.model(prompt()).last_hidden_state
+        _close(model.lm_head(h), float_head(h), 0.1)
+    check_kernels_equal_reference(model)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    loaded = ulbtorch.load_quantized(tiny_llama(seed=5), str(tmp_path))
+    assert type(loaded.lm_head) is Linear4Bit and torch.equal(loaded.lm_head.packed, model.lm_head.packed)
+    with torch.no_grad():
+        assert torch.equal(loaded(prompt()).logits, model(prompt()).logits)
+    with pytest.raises(ValueError, match="lm_head_group_size=32 needs lm_head_bits"):
+        ulbtorch.QuantConfig(lm_head_group_size=32)
+    with pytest.raises(ValueError, match="lm_head_group_size=12: group_size must be 0 or a multiple of 8"):
+        ulbtorch.QuantConfig(lm_head_bits=4, lm_head_group_size=12)
 
 
 @pytest.mark.parametrize("bits,group_size", [(2, 64), ("ternary", 0), (1, 32)])

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from ulbtorch import UlbConfig  # noqa: E402
 from ulbtorch.importers import convert_bitnet_model  # noqa: E402
-from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear8Bit, LinearBF16, LinearTernary  # noqa: E402
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary  # noqa: E402
 
 from test_importers import make_checkpoint  # noqa: E402
 
@@ -133,14 +133,17 @@ def test_import_is_lazy_and_registration_follows_transformers():
     assert _run("import ulbtorch; print(ulbtorch.UlbConfig.__name__)") == ["UlbConfig"]
 
 
-def test_int8_lm_head_through_transformers(float_dir, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16,
-                                                 quantization_config=UlbConfig(bits=2, lm_head_bits=8))
-    assert type(model.lm_head) is Linear8Bit and type(model.model.layers[0].mlp.up_proj) is Linear2Bit
+@pytest.mark.parametrize("head_bits,head_gs,cls", [(8, 0, Linear8Bit), (4, 32, Linear4Bit)])
+def test_quantized_lm_head_through_transformers(float_dir, tmp_path, head_bits, head_gs, cls):
+    cfg = UlbConfig(bits=2, lm_head_bits=head_bits, lm_head_group_size=head_gs)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16, quantization_config=cfg)
+    assert type(model.lm_head) is cls and type(model.model.layers[0].mlp.up_proj) is Linear2Bit
+    assert model.lm_head.group_size == head_gs
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["lm_head_bits"] == 8
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (saved["lm_head_bits"], saved["lm_head_group_size"]) == (head_bits, head_gs)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert type(again.lm_head) is Linear8Bit and torch.equal(again.lm_head.packed, model.lm_head.packed)
+    assert type(again.lm_head) is cls and torch.equal(again.lm_head.packed, model.lm_head.packed)
     ids = torch.randint(0, 300, (1, 5))
     assert torch.equal(again(ids).logits, model(ids).logits)
 

@@ -40,10 +40,11 @@ def _gen(*key):
 GRID = [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
         for fmt in FMTS for M in MS for K in KS for gs in GROUP_SIZES for isa in KERNELS
         if fmt == "binary" or "+nolut1" not in isa]
-# int8 tiles are 4 columns wide, so its groups can be far narrower than any other
-# format's: 4, 12 and 20 columns (not multiples of 16).
-GRID += [pytest.param("int8", M, K, gs, isa, id=f"int8-M{M}-K{K}-gs{gs}-{isa}")
-         for M in (7, 100) for K in (33, 257) for gs in (4, 12, 20) for isa in ISAS]
+# int8 and int4 tiles are 4 and 8 columns wide, so their groups can be far
+# narrower than any other format's, and not multiples of 16.
+GRID += [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
+         for fmt, sizes in (("int8", (4, 12, 20)), ("int4", (8, 24, 40)))
+         for M in (7, 100) for K in (33, 257) for gs in sizes for isa in ISAS]
 
 
 @contextlib.contextmanager

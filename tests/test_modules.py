@@ -7,11 +7,11 @@ from safetensors.torch import load_file, save_file
 
 from ulbtorch import ops
 from ulbtorch.formats import get_format, n_groups
-from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear8Bit, LinearTernary, LowBitLinear
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
 from ulbtorch.quantizers import quantize_weight
 
 CLASS_FORMATS = [(Linear2Bit, "int2_sym"), (Linear2Bit, "int2"), (LinearTernary, "ternary"),
-                 (Linear1Bit, "binary"), (Linear8Bit, "int8")]
+                 (Linear1Bit, "binary"), (Linear4Bit, "int4"), (Linear8Bit, "int8")]
 CF_IDS = [f for _, f in CLASS_FORMATS]
 SCALINGS = [("channel", 0), ("group", 32), ("group", 64), ("tensor", 0)]
 SC_IDS = [f"{g}{gs or ''}" for g, gs in SCALINGS]
@@ -26,12 +26,13 @@ QUANT_ERR = {
     "int2": {"absmax": 0.9, "absmean": 0.6, "mse": 0.5},       # [~0.4 for all]
     "ternary": {"absmax": 1.0, "absmean": 0.6, "mse": 0.5},    # [0.92, 0.52, 0.44]
     "binary": {"absmax": None, "absmean": 0.7, "mse": 0.75},   # [2-3, 0.61, 0.64]
+    "int4": {"absmax": 0.3, "absmean": 0.4, "mse": 0.2},       # [<= 0.19, 0.26, 0.13 over 20 seeds]
     "int8": {"absmax": 0.03, "absmean": 0.35, "mse": 0.03},    # [0.011, 0.26, 0.012]
 }
 # cos(y, y_float): absmax with Gaussian tails rounds most ternary weights to
 # 0 (measured 0.52 per tensor); garbage or a sign flip gives <= 0.
-MIN_COSINE = {"int2_sym": 0.85, "int2": 0.85, "ternary": 0.8, "binary": 0.7, "int8": 0.95}
-MIN_COSINE_ABSMAX = {"int8": 0.999}  # others 0.45
+MIN_COSINE = {"int2_sym": 0.85, "int2": 0.85, "ternary": 0.8, "binary": 0.7, "int4": 0.95, "int8": 0.95}
+MIN_COSINE_ABSMAX = {"int4": 0.97, "int8": 0.999}  # others 0.45; int4 measured >= 0.98
 K_IN, M_OUT = 100, 37  # K deliberately not a multiple of 16
 
 
@@ -267,24 +268,34 @@ def test_module_argument_errors(gen):
         layer(torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("cls", [Linear2Bit, LinearTernary, Linear1Bit, Linear8Bit])
+@pytest.mark.parametrize("cls", [Linear2Bit, LinearTernary, Linear1Bit, Linear4Bit, Linear8Bit])
 def test_class_default_format(gen, cls):
     layer = cls.from_linear(_float_linear(gen))
     assert layer.format == cls.FORMATS[0] and isinstance(layer, LowBitLinear)
     assert layer.granularity == "channel" and layer.group_size == 0
 
 
-def test_int8_absmax_codes(gen):
-    """Symmetric int8: each row's largest |w| lands exactly on level +-127,
-    every code is in 0..254 (255 is invalid), and rounding errs by at most
-    half a step."""
+@pytest.mark.parametrize("fmt,top_level", [("int8", 127), ("int4", 7)])
+def test_symmetric_absmax_codes(gen, fmt, top_level):
+    """Symmetric int8 / int4: each row's largest |w| lands exactly on level
+    +-127 / +-7, every code is in 0..2*top (the last code is invalid), and
+    rounding errs by at most half a step."""
     w = torch.randn(M_OUT, K_IN, generator=gen)
-    codes, scales = quantize_weight(w, "int8", 0, "channel", "absmax")
-    assert codes.dtype == torch.uint8 and int(codes.max()) <= 254
-    levels = codes.to(torch.int32) - 127
+    codes, scales = quantize_weight(w, fmt, 0, "channel", "absmax")
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 2 * top_level
+    levels = codes.to(torch.int32) - top_level
     top = w.abs().argmax(dim=1, keepdim=True)
-    assert torch.equal(levels.gather(1, top).abs(), torch.full((M_OUT, 1), 127, dtype=torch.int32))
+    assert torch.equal(levels.gather(1, top).abs(), torch.full((M_OUT, 1), top_level, dtype=torch.int32))
     assert ((levels * scales - w).abs() <= scales / 2 * (1 + 1e-6)).all()
+
+
+def test_int4_default_method():
+    """int4: mse per group, absmax per channel or tensor (quantizers.py says why)."""
+    lin = torch.nn.Linear(64, 8)
+    assert Linear4Bit.from_linear(lin).unpack()[1].equal(
+        Linear4Bit.from_linear(lin, method="absmax").unpack()[1])
+    assert Linear4Bit.from_linear(lin, group_size=32).unpack()[1].equal(
+        Linear4Bit.from_linear(lin, group_size=32, method="mse").unpack()[1])
 
 
 def test_reference_path_sees_new_weights(gen):

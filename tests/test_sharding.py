@@ -35,17 +35,19 @@ def test_merged_column_parallel_qkv(tp):
         assert torch.equal(got, w)
 
 
-@pytest.mark.parametrize("fmt,gs", [("int2_sym", 32), ("binary", 64), ("ternary", 0), ("int8", 4)])
+@pytest.mark.parametrize("fmt,gs", [("int2_sym", 32), ("binary", 64), ("ternary", 0), ("int8", 4), ("int4", 8)])
 def test_row_parallel_partial_sums_add_up(fmt, gs):
     M, K, tp = 48, 256, 2
     full = blob(M, K, fmt, gs)
-    x = torch.randn(3, K)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1))
     parts = []
     for rank in range(tp):
         a = ShardAssembler("down_proj", [M], K // tp, K, fmt, gs, rank, tp)
         a.load(full)
         parts.append(torch.nn.functional.linear(x[:, rank * K // tp:(rank + 1) * K // tp], dequant(a.pack())))
-    torch.testing.assert_close(sum(parts), torch.nn.functional.linear(x, dequant(full)), rtol=1e-5, atol=1e-4)
+    want = torch.nn.functional.linear(x, dequant(full))
+    # Two fp32 partial sums against one: rounding grows with the outputs' size (int8 levels reach 127).
+    torch.testing.assert_close(sum(parts), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_bad_shards_name_the_layer():

@@ -42,6 +42,7 @@ FORMATS = {
         Format("ternary", 3, 2, 1, -1, 2),    # {-1, 0, 1}
         Format("binary", 4, 1, 2, -1, 1),     # {-1, 1}
         Format("int8", 5, 8, 1, -127, 254),   # -127..127: for layers kept near full precision (lm_head)
+        Format("int4", 6, 4, 1, -7, 14),      # -7..7
     )
 }
 FORMATS_BY_ID = {f.id: f for f in FORMATS.values()}
@@ -58,7 +59,7 @@ def get_format(name: str | Format) -> Format:
 
 def normalize_group_size(group_size: int | None, in_features: int, format: str | Format) -> int:
     """0 means one group per row; otherwise a multiple of the format's tile
-    width (16 for 2-bit and ternary, 32 for 1-bit, 4 for int8)."""
+    width (16 for 2-bit and ternary, 32 for 1-bit, 8 for int4, 4 for int8)."""
     if group_size is None or group_size <= 0 or group_size >= in_features:
         return 0
     block = get_format(format).k_block

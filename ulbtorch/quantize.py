@@ -10,13 +10,14 @@ from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_, replace_module
 from .nn.replace import name_selected, patterns
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
-                   "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 8: "int8", "8": "int8"}
+                   "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 4: "int4", "4": "int4", 8: "int8",
+                   "8": "int8"}
 LM_HEAD = ["lm_head", "*.lm_head"]
 
 
 def _format_for_bits(bits) -> str:
     if isinstance(bits, bool) or bits not in _BITS_TO_FORMAT:
-        raise ValueError(f"bits must be 1, 'ternary'/1.58, 2 or 8, got {bits!r}")
+        raise ValueError(f"bits must be 1, 'ternary'/1.58, 2, 4 or 8, got {bits!r}")
     return _BITS_TO_FORMAT[bits]
 
 
@@ -30,18 +31,20 @@ def linear_layers(model: nn.Module, selects) -> list[tuple[str, nn.Linear]]:
 class QuantConfig:
     """What quantize_ does.
 
-    bits: 1, "ternary" (or 1.58), 2 or 8. format: an explicit format name
-    ("int2_sym", "int2", "ternary", "binary", "int8") overriding bits.
+    bits: 1, "ternary" (or 1.58), 2, 4 or 8. format: an explicit format name
+    ("int2_sym", "int2", "ternary", "binary", "int4", "int8") overriding bits.
     group_size: 0 for one scale per output channel, else a multiple of 16
-    (2-bit, ternary), 32 (binary) or 4 (int8); layers no wider than a group get one
-    scale per channel.
+    (2-bit, ternary), 32 (binary), 8 (int4) or 4 (int8); layers no wider than
+    a group get one scale per channel.
     granularity: "channel", "group" or "tensor" (default from group_size).
     method: "absmax", "absmean" or "mse" (default per format, see quantizers).
     include / exclude: fnmatch patterns on module names; exclude wins.
     lm_head_bits (default None: lm_head stays bf16): quantize the lm_head
-    layers that include/exclude leave out to these bits, per output channel
-    with the format's default scale rule; 8 (int8, absmax) halves the bytes
-    of the largest matrix a small model reads per token.
+    layers that include/exclude leave out to these bits with the format's
+    default scale rule; 8 (int8, absmax) halves the bytes of the largest
+    matrix a small model reads per token, 4 (int4) quarters them at a larger
+    cost in accuracy (see README). lm_head_group_size (default 0: one scale
+    per output channel) sets their group size, e.g. 32 for int4.
     bf16_gemv (default True): also swap the nn.Linear layers left in bf16
     (lm_head by default) for nn.LinearBF16, whose one-token forward runs
     ulbtorch's bf16 GEMV: same weights, fp32 accumulation in another order
@@ -56,13 +59,20 @@ class QuantConfig:
     exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
     bf16_gemv: bool = True
     lm_head_bits: int | float | str | None = None
+    lm_head_group_size: int = 0
 
     def __post_init__(self):
         self.include, self.exclude = patterns(self.include, "include"), patterns(self.exclude, "exclude")
         if self.format is None:
             self.format = _format_for_bits(self.bits)
+        if self.lm_head_group_size and self.lm_head_bits is None:
+            raise ValueError(f"lm_head_group_size={self.lm_head_group_size} needs lm_head_bits")
         if self.lm_head_bits is not None:
-            _format_for_bits(self.lm_head_bits)
+            try:
+                self.head_config()
+            except ValueError as e:
+                raise ValueError(f"lm_head_bits={self.lm_head_bits!r}, lm_head_group_size={self.lm_head_group_size}: "
+                                 f"{e}") from None
             if self.selects("lm_head"):
                 raise ValueError(f"lm_head_bits={self.lm_head_bits!r} is for an lm_head that include/exclude "
                                  f"leave out, but they select it (include={self.include}, exclude={self.exclude})")
@@ -90,7 +100,8 @@ class QuantConfig:
         """What quantize_ does to the lm_head layers (lm_head_bits), or None."""
         if self.lm_head_bits is None:
             return None
-        return QuantConfig(bits=self.lm_head_bits, include=list(LM_HEAD), exclude=[], bf16_gemv=False)
+        return QuantConfig(bits=self.lm_head_bits, group_size=self.lm_head_group_size, include=list(LM_HEAD),
+                           exclude=[], bf16_gemv=False)
 
     def head_layers(self, model: nn.Module) -> list[tuple[str, nn.Linear]]:
         """The layers lm_head_bits applies to: those named lm_head, and the

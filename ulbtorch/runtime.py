@@ -139,7 +139,7 @@ def use_lut1(on: bool):
 
 
 def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
-    """The work-split table of one kernel family (bits 1, 2, 8, or 16 for the
+    """The work-split table of one kernel family (bits 1, 2, 4, 8, or 16 for the
     bf16 GEMV): per-thread share of rows,
     last measured time (us) and last number of 64-row panels."""
     st = _SchedStats()

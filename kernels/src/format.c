@@ -11,10 +11,11 @@ static const ulb_format_info FORMATS[] = {
     [ULB_FMT_TERNARY] = {2, 1, -1, 2, "ternary"},
     [ULB_FMT_BINARY] = {1, 2, -1, 1, "binary"},
     [ULB_FMT_INT8] = {8, 1, -127, 254, "int8"},
+    [ULB_FMT_INT4] = {4, 1, -7, 14, "int4"},
 };
 
 const ulb_format_info *ulb_format_get(int format) {
-    if (format < ULB_FMT_INT2 || format > ULB_FMT_INT8) return NULL;
+    if (format < ULB_FMT_INT2 || format > ULB_FMT_INT4) return NULL;
     return &FORMATS[format];
 }
 
@@ -24,7 +25,7 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_ERR_FORMAT: return "unknown weight format";
     case ULB_ERR_SHAPE: return "invalid shape or buffer size";
     case ULB_ERR_GROUP:
-        return "group size must be a positive multiple of 16 (32 for 1-bit, 4 for 8-bit), or cover all of K";
+        return "group size must be a positive multiple of 16 (32 for 1-bit, 8 for 4-bit, 4 for 8-bit), or cover all of K";
     case ULB_ERR_CODE: return "weight code out of range for the format";
     case ULB_ERR_BLOB: return "not a valid ulbtorch packed weight (bad header or size)";
     case ULB_ERR_DTYPE: return "unsupported dtype";
@@ -39,9 +40,10 @@ const char *ulb_status_str(ulb_status s) {
 }
 
 /* Accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
- * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31), and |sum q x| of
- * 8-bit codes stays at most 254 * 128 * 65536 < 2^31 (activations are
- * -127..127 from ulb_quantize_act; int_dots takes -128 too). */
+ * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31) and 16 * sum q x
+ * for 4-bit codes (16 * 14 * 128 * 65536 < 2^31), and |sum q x| of 8-bit
+ * codes stays at most 254 * 128 * 65536 < 2^31 (activations are -127..127
+ * from ulb_quantize_act; int_dots takes -128 too). */
 #define ULB_MAX_K (1LL << 16)
 #define ULB_MAX_M (1LL << 26)
 

@@ -6,7 +6,8 @@
  * row l and column 4*j + b of the tile. Masking field j in place therefore
  * gives the VNNI4 u8 operand of k-quad j (16 rows x 4 k) scaled by 2^(bits*j),
  * with no shuffle: seed 000's interleaving idea, carried to 1-bit codes too
- * (8 fields of one bit) and to 8-bit codes (one field, the byte itself).
+ * (8 fields of one bit), to 4-bit codes (two nibbles) and to 8-bit codes
+ * (one field, the byte itself).
  *
  * Rows are padded to 16 and K to the tile width. Rows are grouped in panels
  * of 64 (4 tiles; the last panel may hold fewer), and each panel is one
@@ -30,7 +31,7 @@
 
 static inline int64_t ulb_round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-/* Columns per tile: 16 for 2-bit codes, 32 for 1-bit codes, 4 for 8-bit codes. */
+/* Columns per tile: 32 for 1-bit codes, 16 for 2-bit, 8 for 4-bit, 4 for 8-bit. */
 static inline int64_t ulb_tile_k(int bits) { return 32 / bits; }
 
 /* Tiles in panel p (4, or fewer in the last panel). */

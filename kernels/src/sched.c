@@ -29,7 +29,11 @@ static int static_split;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 int ulb_sched_family(int bits, ulb_isa isa) {
-    const int base = bits == 1 ? 0 : bits == 2 ? 3 : bits == 8 ? ULB_SCHED_INT8 : ULB_SCHED_BF16;
+    const int base = bits == 1   ? 0
+                     : bits == 2 ? 3
+                     : bits == 4 ? ULB_SCHED_INT4
+                     : bits == 8 ? ULB_SCHED_INT8
+                                 : ULB_SCHED_BF16;
     return base + (int)isa;
 }
 
@@ -109,7 +113,8 @@ double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
 void ulb_sched_after_fork(void) { pthread_mutex_init(&lock, NULL); }
 
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
-    if ((bits != 1 && bits != 2 && bits != 8 && bits != 16) || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
+    if ((bits != 1 && bits != 2 && bits != 4 && bits != 8 && bits != 16) || (unsigned)isa > ULB_ISA_AVX512)
+        return ULB_ERR_FORMAT;
     pthread_mutex_lock(&lock);
     const table *t = &tables[ulb_sched_family(bits, isa)];
     memset(out, 0, sizeof *out);

@@ -1,9 +1,9 @@
-/* AVX2 microkernels (1-, 2- and 8-bit codes) for CPUs without AVX-512:
+/* AVX2 microkernels (1-, 2-, 4- and 8-bit codes) for CPUs without AVX-512:
  * u8 codes x s8 activations with vpmaddubsw + vpmaddwd. One 16-row tile at a
  * time (two 8-row halves), so each pass reads one sequential stream.
  * Exact in 16 bits: the products of all fields of a half tile are summed in
- * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit) or
- * 8 * 2*1*128 = 2048 (1-bit) in magnitude. 8-bit codes (up to 254) would
+ * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit),
+ * 8 * 2*1*128 = 2048 (1-bit) or 2 * 2*14*128 = 7168 (4-bit) in magnitude. 8-bit codes (up to 254) would
  * saturate vpmaddubsw's pair sums, so they go in as two nibbles, q = lo +
  * 16 hi, each pair sum at most 2*15*128. Must match ref/panel_ref.c bit for
  * bit. */
@@ -142,7 +142,8 @@ static void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
     }
 }
 
-/* panel_1bit, panel_2bit, panel_8bit: panel_bits with the code width fixed. */
+/* panel_1bit, panel_2bit, panel_4bit, panel_8bit: panel_bits with the code
+ * width fixed. */
 #define ULB_PANEL_FN(BITS)                                                                         \
     static void panel_##BITS##bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, \
                                   int64_t n0, int nb, float *facc, int32_t *dots) {                \
@@ -150,6 +151,7 @@ static void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
     }
 ULB_PANEL_FN(1)
 ULB_PANEL_FN(2)
+ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
 
 void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
@@ -157,6 +159,7 @@ void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_ac
     switch (w->bits) {
     case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
     case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    case 4: panel_4bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
     default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
     }
 }

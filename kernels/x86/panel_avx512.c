@@ -1,4 +1,4 @@
-/* AVX-512 VNNI microkernels (1-, 2- and 8-bit codes): up to 64 rows x 4 tokens
+/* AVX-512 VNNI microkernels (1-, 2-, 4- and 8-bit codes): up to 64 rows x 4 tokens
  * per call, u8 codes x s8 activations with vpdpbusd. The affine level map is
  * applied once per group (see internal.h), so one instruction serves every
  * format. Must match ref/panel_ref.c bit for bit. */
@@ -154,8 +154,8 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
 #define ULB_CASES_NB(BITS, NB) ULB_CASE(BITS, NB, 1) ULB_CASE(BITS, NB, 2) ULB_CASE(BITS, NB, 3) ULB_CASE(BITS, NB, 4)
 #define ULB_CASES(BITS) ULB_CASES_NB(BITS, 1) ULB_CASES_NB(BITS, 2) ULB_CASES_NB(BITS, 3) ULB_CASES_NB(BITS, 4)
 
-/* panel_1bit, panel_2bit, panel_8bit: every (tokens, tiles) case compiled
- * with the code width fixed. */
+/* panel_1bit, panel_2bit, panel_4bit, panel_8bit: every (tokens, tiles) case
+ * compiled with the code width fixed. */
 #define ULB_PANEL_FN(BITS)                                                                         \
     static void panel_##BITS##bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, \
                                   int64_t n0, int nb, float *facc, int32_t *dots) {                \
@@ -163,6 +163,7 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
     }
 ULB_PANEL_FN(1)
 ULB_PANEL_FN(2)
+ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
 
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
@@ -170,6 +171,7 @@ void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_
     switch (w->bits) {
     case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
     case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    case 4: panel_4bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
     default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
     }
 }

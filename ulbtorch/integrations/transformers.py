@@ -21,14 +21,16 @@ QUANT_METHOD = "ulb"
 
 @register_quantization_config(QUANT_METHOD)
 class UlbConfig(QuantizationConfigMixin):
-    """bits: 1, "ternary", 2 or 8 (or format: "int2_sym" | "int2" | "ternary" |
-    "binary" | "int8"); group_size 0 = per output channel; modules_to_not_convert:
+    """bits: 1, "ternary", 2, 4 or 8 (or format: "int2_sym" | "int2" | "ternary" |
+    "binary" | "int4" | "int8"); group_size 0 = per output channel; modules_to_not_convert:
     fnmatch patterns kept in float (default lm_head); bf16_gemv (default
     True): run the layers kept in bf16 through nn.LinearBF16; lm_head_bits
-    (default None): quantize lm_head too, e.g. 8 for int8 (see QuantConfig)."""
+    (default None): quantize lm_head too, e.g. 8 for int8, with
+    lm_head_group_size (see QuantConfig)."""
 
     def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
-                 modules_to_not_convert=None, bf16_gemv=True, lm_head_bits=None, **kwargs):
+                 modules_to_not_convert=None, bf16_gemv=True, lm_head_bits=None, lm_head_group_size=0,
+                 **kwargs):
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -38,17 +40,18 @@ class UlbConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = patterns(modules_to_not_convert or ["lm_head", "*.lm_head"],
                                                "modules_to_not_convert")
         q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,
-                        method=method, exclude=self.modules_to_not_convert, lm_head_bits=lm_head_bits)
+                        method=method, exclude=self.modules_to_not_convert, lm_head_bits=lm_head_bits,
+                        lm_head_group_size=lm_head_group_size)
         self.bits, self.format, self.group_size = q.bits, q.format, q.group_size
         self.granularity, self.method = q.granularity, q.method
         self.bf16_gemv = bool(bf16_gemv)
-        self.lm_head_bits = lm_head_bits
+        self.lm_head_bits, self.lm_head_group_size = lm_head_bits, q.lm_head_group_size
 
     def to_quant_config(self) -> QuantConfig:
         return QuantConfig(bits=self.bits, format=self.format, group_size=self.group_size,
                            granularity=self.granularity, method=self.method,
                            exclude=self.modules_to_not_convert, bf16_gemv=self.bf16_gemv,
-                           lm_head_bits=self.lm_head_bits)
+                           lm_head_bits=self.lm_head_bits, lm_head_group_size=self.lm_head_group_size)
 
 
 def _check_untied_output(model, targets) -> None:
@@ -61,7 +64,7 @@ def _check_untied_output(model, targets) -> None:
         if m is out:
             raise ValueError(f"ulb: {name!r} shares its weight with the input embedding (tie_word_embeddings), "
                              "so transformers cannot save or load it packed; keep it in bf16 (the default), or "
-                             "quantize it with ulbtorch.quantize_(..., lm_head_bits=8) and ulbtorch.save_quantized")
+                             "quantize it with ulbtorch.quantize_(..., lm_head_bits=8 or 4) and ulbtorch.save_quantized")
 
 
 @register_quantizer(QUANT_METHOD)

@@ -1,4 +1,4 @@
-"""Linear layers with packed 1-bit, ternary, 2-bit and 8-bit weights.
+"""Linear layers with packed 1-bit, ternary, 2-bit, 4-bit and 8-bit weights.
 
 On CPU the forward pass is one call of torch.ops.ulb.linear (int8 activations
 per token, packed weights streamed by the C kernels). On any other device the
@@ -246,5 +246,11 @@ class Linear8Bit(LowBitLinear):
     FORMATS = ("int8",)
 
 
+class Linear4Bit(LowBitLinear):
+    """int4 weights, levels -7..7 x scale, two per byte: a quarter of the
+    bytes of bf16 (quantize_(..., bits=4), or lm_head_bits=4 for the head)."""
+    FORMATS = ("int4",)
+
+
 MODULE_FOR_FORMAT = {"int2_sym": Linear2Bit, "int2": Linear2Bit, "ternary": LinearTernary,
-                     "binary": Linear1Bit, "int8": Linear8Bit}
+                     "binary": Linear1Bit, "int4": Linear4Bit, "int8": Linear8Bit}

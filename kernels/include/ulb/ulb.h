@@ -46,12 +46,13 @@ typedef enum {
     ULB_FMT_INT2_SYM = 2, /* levels {-3,-1,1,3}:  2q - 3 (= 2 x {-1.5,-0.5,0.5,1.5}) */
     ULB_FMT_TERNARY = 3,  /* levels {-1,0,1}:     q - 1, code 3 invalid */
     ULB_FMT_BINARY = 4,   /* levels {-1,1}:       2q - 1          */
-    ULB_FMT_INT8 = 5      /* levels -127..127:    q - 127, code 255 invalid (for layers kept near full
+    ULB_FMT_INT8 = 5,     /* levels -127..127:    q - 127, code 255 invalid (for layers kept near full
                            * precision, such as lm_head) */
+    ULB_FMT_INT4 = 6      /* levels -7..7:        q - 7, code 15 invalid */
 } ulb_format;
 
 typedef struct {
-    int bits;     /* storage bits per weight: 1, 2 or 8 */
+    int bits;     /* storage bits per weight: 1, 2, 4 or 8 */
     int level_a;  /* level = level_a * q + level_b */
     int level_b;
     int max_code; /* largest valid code */
