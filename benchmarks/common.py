@@ -29,11 +29,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SHAPES = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "bench", "shapes.json"))
 
 # Bits per stored weight of each packed format (storage, not information).
-FORMAT_BITS = {"int2_sym": 2, "int2": 2, "ternary": 2, "binary": 1, "int8": 8}
+FORMAT_BITS = {"int2_sym": 2, "int2": 2, "ternary": 2, "binary": 1, "int4": 4, "int8": 8}
 # Friendly names accepted on the command line.
 FORMAT_ALIASES = {"2": "int2_sym", "2bit": "int2_sym", "int2_sym": "int2_sym", "int2": "int2",
                   "ternary": "ternary", "1.58": "ternary", "t": "ternary",
-                  "1": "binary", "1bit": "binary", "binary": "binary", "8": "int8", "int8": "int8"}
+                  "1": "binary", "1bit": "binary", "binary": "binary", "4": "int4", "int4": "int4",
+                  "8": "int8", "int8": "int8"}
 
 
 # ---- command line -------------------------------------------------------------

@@ -141,6 +141,11 @@ def try_compile(model):
     return model
 
 
+def head_variant(bits: int, group_size: int) -> str:
+    """Row-name suffix of a variant with quantize_(..., lm_head_bits=bits)."""
+    return f" +int{bits} lm_head" + (f" g{group_size}" if group_size else "")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_shapes_arg(p)
@@ -160,9 +165,10 @@ def main(argv=None):
                    help="also time the bf16 model and each quantized variant with ulbtorch.bf16_gemv_ applied "
                         "(the bf16 linear layers, for quantized models lm_head, through ulbtorch's one-token bf16 "
                         "GEMV)")
-    p.add_argument("--lm-head-bits", type=int, choices=[8],
-                   help="also time each quantized variant with quantize_(..., lm_head_bits=8): lm_head packed "
-                        "to int8 (half the bytes of bf16)")
+    p.add_argument("--lm-head-bits", default="",
+                   help="comma-separated B or B:GROUP_SIZE, B in {8, 4}: also time each quantized variant with "
+                        "quantize_(..., lm_head_bits=B, lm_head_group_size=GROUP_SIZE): lm_head packed to int8 "
+                        "(half the bytes of bf16) or int4 (a quarter); e.g. 8,4:32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads (default: current)")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt token ids (default 16)")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens = min_new_tokens (default 32)")
@@ -179,6 +185,10 @@ def main(argv=None):
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
+    args.lm_head_bits = [(int(v.partition(":")[0]), int(v.partition(":")[2] or 0))
+                         for v in common.parse_list(args.lm_head_bits) or []]
+    if any(b not in (4, 8) for b, _ in args.lm_head_bits):
+        p.error(f"--lm-head-bits takes 8 and/or 4, got {args.lm_head_bits}")
     if args.quantize_lm_head and args.lm_head_bits:
         p.error("--quantize-lm-head (lm_head in the layers' format) and --lm-head-bits exclude each other")
 
@@ -305,10 +315,10 @@ def main(argv=None):
             run_compiled(name + " +bf16 gemv", qm)
         del qm
         gc.collect()
-        if args.lm_head_bits:
-            vname = f"{name} +int{args.lm_head_bits} lm_head"
-            qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, lm_head_bits=args.lm_head_bits,
-                                    **qcfg_kw)
+        for head_bits, head_gs in args.lm_head_bits:
+            vname = f"{name}{head_variant(head_bits, head_gs)}"
+            qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, lm_head_bits=head_bits,
+                                    lm_head_group_size=head_gs, **qcfg_kw)
             out = run_variant(vname, qm)
             results[vname]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
             run_compiled(vname, qm)
@@ -319,7 +329,7 @@ def main(argv=None):
     notes = []
     print()
     for name in [f"ulb {fmt}{v}" for fmt in formats
-                 for v in ("", " +bf16 gemv", f" +int{args.lm_head_bits} lm_head")]:
+                 for v in ["", " +bf16 gemv"] + [head_variant(b, gs) for b, gs in args.lm_head_bits]]:
         if name not in results:
             continue
         r = results[name]

@@ -8,6 +8,8 @@ than L3) and, with --gemv-shapes, the decode shapes of shapes.json.
   python benchmarks/gemv_bf16.py                      # lm_head of every config, 1 and 2 threads
   python benchmarks/gemv_bf16.py --gemv-shapes --models falcon3-1b
   python benchmarks/gemv_bf16.py --int8               # + the same matrices packed to int8 (lm_head_bits=8)
+  python benchmarks/gemv_bf16.py --packed int8,int4:32  # + int8, and int4 in groups of 32 (lm_head_bits=4,
+                                                        #   lm_head_group_size=32)
 """
 from __future__ import annotations
 
@@ -44,13 +46,22 @@ def main(argv=None):
     p.add_argument("--models", help="comma-separated subset of shapes.json's configs / gemv_shapes")
     p.add_argument("--gemv-shapes", action="store_true", help="also the decode GEMV shapes of shapes.json")
     p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
-    p.add_argument("--int8", action="store_true",
-                   help="also each matrix packed to int8 (what quantize_(..., lm_head_bits=8) makes of lm_head), "
-                        "through torch.ops.ulb.linear, with a stream read of its blobs")
+    p.add_argument("--packed", default="",
+                   help="also each matrix packed to these formats, FORMAT or FORMAT:GROUP_SIZE, comma-separated "
+                        "(what quantize_(..., lm_head_bits=8 or 4, lm_head_group_size=...) makes of lm_head), "
+                        "through torch.ops.ulb.linear, each with a stream read of its blobs")
+    p.add_argument("--int8", action="store_true", help="shorthand for --packed int8")
     p.add_argument("--reps", type=int, default=9, help="rounds of samples (median of per-round ratios)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
+    packed = [(f.partition(":")[0], int(f.partition(":")[2] or 0))
+              for f in common.parse_list(args.packed) or []] + ([("int8", 0)] if args.int8 else [])
+    for fmt, gs in packed:
+        if ulbtorch.get_format(fmt).bits < 4:
+            p.error(f"--packed is for the formats an lm_head may take (int8, int4), got {fmt!r}")
+        ulbtorch.formats.normalize_group_size(gs, 1 << 30, fmt)
+    labels = [f"{fmt}" + (f" g{gs}" if gs else "") for fmt, gs in packed]
 
     doc = common.load_shapes(args.shapes)
     threads = common.parse_list(args.threads, int)
@@ -64,8 +75,9 @@ def main(argv=None):
                           ("gbps_bf16", "GB/s F.linear", ".1f"), ("gbps_stream", "GB/s stream", ".1f"),
                           ("pct_stream", "% stream", ".0f"), ("pct_stream_bf16", "F.linear % stream", ".0f"),
                           ("speedup", "x vs F.linear", ".2f")]
-                         + ([("us_int8", "us int8", ".0f"), ("pct_stream_int8", "int8 % stream", ".0f"),
-                             ("x_int8", "int8 x vs ours", ".2f")] if args.int8 else []),
+                         + [c for i, lab in enumerate(labels)
+                            for c in ((f"us_{i}", f"us {lab}", ".0f"), (f"pct_stream_{i}", f"{lab} % stream", ".0f"),
+                                      (f"x_{i}", f"{lab} x vs ours", ".2f"))],
                          title="One-token bf16 GEMV, cold", min_widths=dict(model=16, what=8, shape=12))
     gen = torch.Generator().manual_seed(0)
     prev = torch.get_num_threads()
@@ -75,17 +87,21 @@ def main(argv=None):
             count = common.cold_rotation(nbytes)
             ws = common.replicate([torch.randn(M, K, generator=gen).to(torch.bfloat16)], count)
             x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
-            if args.int8:
-                codes = torch.randint(0, 255, (M, K), generator=gen, dtype=torch.uint8)  # codes 0..254
-                blob = ulbtorch.ops.pack(codes, torch.rand(M, 1, generator=gen) * 1e-3 + 1e-4, "int8")
+            rotations = []
+            for fmt, gs in packed:
+                f = ulbtorch.get_format(fmt)
+                codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
+                G = ulbtorch.formats.n_groups(ulbtorch.formats.normalize_group_size(gs, K, f), K)
+                blob = ulbtorch.ops.pack(codes, torch.rand(M, G, generator=gen) * 1e-3 + 1e-4, fmt, gs)
                 del codes
-                bs = common.replicate([blob], common.cold_rotation(blob.numel()))
+                rotations.append(common.replicate([blob], common.cold_rotation(blob.numel())))
+                del blob
             for nt in threads:
                 torch.set_num_threads(nt)
                 samples = []
                 cands = [(ws, lambda w: torch.ops.ulb.linear_bf16(x, w, None)), (ws, lambda w: F.linear(x, w)),
                          (ws, lambda w: ulbtorch.runtime.read_probe(w.view(-1), nt))]
-                if args.int8:
+                for bs in rotations:
                     cands += [(bs, lambda b: torch.ops.ulb.linear(x, b, None, M)),
                               (bs, lambda b: ulbtorch.runtime.read_probe(b, nt))]
                 common.time_interleaved(cands, reps=args.reps, samples_out=samples)
@@ -97,13 +113,12 @@ def main(argv=None):
                                pct_stream=100 * common.median_ratio(samples[2], samples[0]),
                                pct_stream_bf16=100 * common.median_ratio(samples[2], samples[1]),
                                speedup=common.median_ratio(samples[1], samples[0]),
-                               **(dict(us_int8=1e6 * statistics.median(samples[3]),
-                                       pct_stream_int8=100 * common.median_ratio(samples[4], samples[3]),
-                                       x_int8=common.median_ratio(samples[0], samples[3])) if args.int8 else {})),
+                               **{k: v for i in range(len(packed)) for k, v in (
+                                   (f"us_{i}", 1e6 * statistics.median(samples[3 + 2 * i])),
+                                   (f"pct_stream_{i}", 100 * common.median_ratio(samples[4 + 2 * i], samples[3 + 2 * i])),
+                                   (f"x_{i}", common.median_ratio(samples[0], samples[3 + 2 * i])))}),
                           echo=True)
-            del ws
-            if args.int8:
-                del bs, blob
+            del ws, rotations
     finally:
         torch.set_num_threads(prev)
 
@@ -115,9 +130,9 @@ def main(argv=None):
             line = (f"{nt} thr: ulb.linear_bf16 median {statistics.median(r['pct_stream'] for r in rs):.0f}% of a "
                     f"stream read of the same weights, F.linear {statistics.median(r['pct_stream_bf16'] for r in rs):.0f}%;"
                     f" geomean {common.geomean(r['speedup'] for r in rs):.2f}x faster than F.linear, {len(rs)} shapes")
-            if args.int8:
-                line += (f"; int8: median {statistics.median(r['pct_stream_int8'] for r in rs):.0f}% of a stream read "
-                         f"of its blobs, geomean {common.geomean(r['x_int8'] for r in rs):.2f}x faster than the "
+            for i, lab in enumerate(labels):
+                line += (f"; {lab}: median {statistics.median(r[f'pct_stream_{i}'] for r in rs):.0f}% of a stream "
+                         f"read of its blobs, geomean {common.geomean(r[f'x_{i}'] for r in rs):.2f}x faster than the "
                          "bf16 GEMV")
             print(line)
             notes.append(line)
