@@ -9,7 +9,8 @@ What it does, step by step:
      except lm_head becomes a 2-bit layer running ulbtorch's C kernels; times
      decoding again, then once more with ulbtorch.bf16_gemv_ (the bf16 lm_head
      on ulbtorch's GEMV), which quantize_ does by default, and with
-     lm_head_bits=8 (lm_head packed to int8, half its bytes),
+     lm_head_bits=8 (lm_head packed to int8, half its bytes) and
+     lm_head_bits=4, lm_head_group_size=32 (int4, a quarter plus scales),
   4. checks fidelity: the C kernels against ulbtorch's pure-PyTorch reference
      of the same quantized model, and the quantized model against bf16,
   5. saves the quantized model with ulbtorch.save_quantized and loads it back
@@ -134,16 +135,21 @@ def main():
     print(f"    + ulbtorch.bf16_gemv_(model), lm_head (still bf16) on ulbtorch's bf16 GEMV, as quantize_ does by "
           f"default: {tps_g:6.1f} tokens/s"
           f"  ->  {tps_g / tps_bf16:.2f}x")
-    hmodel = ulbtorch.quantize_(copy.deepcopy(model), bits=bits, lm_head_bits=8)
-    tps_h, _ = decode_tokens_per_s(hmodel, prompt, args.tokens)
     with torch.no_grad():
         hidden = model.model(prompt).last_hidden_state
-        head_err = ((hmodel.lm_head(hidden).float() - model.lm_head(hidden).float()).norm()
-                    / model.lm_head(hidden).float().norm()).item()
-    print(f"    ulbtorch.quantize_(model, bits={bits!r}, lm_head_bits=8), lm_head packed to int8: {tps_h:6.1f} "
-          f"tokens/s  ->  {tps_h / tps_bf16:.2f}x; its logits on the same hidden states are {100 * head_err:.1f}% "
-          "(relative) from the bf16 lm_head's")
-    del hmodel
+        head_ref = model.lm_head(hidden).float()
+    tps_head = {}
+    for head_bits, head_gs, what in ((8, 0, "int8"), (4, 32, "int4 in groups of 32")):
+        hmodel = ulbtorch.quantize_(copy.deepcopy(model), bits=bits, lm_head_bits=head_bits,
+                                    lm_head_group_size=head_gs)
+        tps_head[head_bits], _ = decode_tokens_per_s(hmodel, prompt, args.tokens)
+        with torch.no_grad():
+            head_err = ((hmodel.lm_head(hidden).float() - head_ref).norm() / head_ref.norm()).item()
+        call = f"lm_head_bits={head_bits}" + (f", lm_head_group_size={head_gs}" if head_gs else "")
+        print(f"    ulbtorch.quantize_(model, bits={bits!r}, {call}), lm_head packed to {what}: "
+              f"{tps_head[head_bits]:6.1f} tokens/s  ->  {tps_head[head_bits] / tps_bf16:.2f}x; its logits on the "
+              f"same hidden states are {100 * head_err:.1f}% (relative) from the bf16 lm_head's")
+        del hmodel
 
     # 4. Fidelity ----------------------------------------------------------------------
     ref_bf16 = logits(model, prompt)
@@ -183,7 +189,8 @@ def main():
         print(f"    ulbtorch.load_quantized into a fresh model from the config: logits "
               f"{'identical (bit-exact)' if same else 'DIFFERENT (unexpected)'}")
     print(f"\nDone: {tps_bf16:.1f} -> {tps_q:.1f} tokens/s ({tps_q / tps_bf16:.2f}x), {tps_g:.1f} ({tps_g / tps_bf16:.2f}x) "
-          f"with bf16_gemv_, {tps_h:.1f} ({tps_h / tps_bf16:.2f}x) with an int8 lm_head, on "
+          f"with bf16_gemv_, {tps_head[8]:.1f} ({tps_head[8] / tps_bf16:.2f}x) with an int8 lm_head, "
+          f"{tps_head[4]:.1f} ({tps_head[4] / tps_bf16:.2f}x) with an int4 one, on "
           f"{torch.get_num_threads()} threads. Numbers vary on shared machines; benchmarks/ has the careful measurements.")
 
 
