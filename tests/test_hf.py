@@ -132,25 +132,30 @@ def test_include_exclude_patterns():
         ulbtorch.QuantConfig(bits=True)
 
 
-def test_lm_head_bits_int8(tmp_path):
+# int8 weights and activations: logits within ~1% of the float lm_head's on the same hidden
+# states; int4 (15 levels, MSE scales per group of 32): within ~10%.
+@pytest.mark.parametrize("head_bits,head_gs,cls,rel", [(8, 0, Linear8Bit, 3e-2), (4, 32, Linear4Bit, 0.1)])
+def test_lm_head_bits(tmp_path, head_bits, head_gs, cls, rel):
     model = tiny_llama()
     float_head = model.lm_head
-    ulbtorch.quantize_(model, bits=2, lm_head_bits=8)
-    assert type(model.lm_head) is Linear8Bit and model.lm_head.format == "int8"
-    assert model.lm_head.group_size == 0 and model.lm_head.granularity == "channel"
+    ulbtorch.quantize_(model, bits=2, lm_head_bits=head_bits, lm_head_group_size=head_gs)
+    assert type(model.lm_head) is cls and model.lm_head.format == f"int{head_bits}"
+    assert model.lm_head.group_size == head_gs and model.lm_head.granularity == ("group" if head_gs else "channel")
     assert len(lowbit_names(model)) == CONFIG["num_hidden_layers"] * len(PROJ) + 1
     assert all(type(model.get_submodule(n)) is Linear2Bit for n in lowbit_names(model) - {"lm_head"})
-    # int8 weights and activations: logits within ~1% of the float lm_head's on the same hidden states.
     with torch.no_grad():
         h = model.model(prompt()).last_hidden_state
-        _close(model.lm_head(h), float_head(h), 3e-2)
+        _close(model.lm_head(h), float_head(h), rel)
     check_kernels_equal_reference(model)
     # Round trip through save_quantized / load_quantized.
     ulbtorch.save_quantized(model, str(tmp_path))
     loaded = ulbtorch.load_quantized(tiny_llama(seed=5), str(tmp_path))
-    assert type(loaded.lm_head) is Linear8Bit and torch.equal(loaded.lm_head.packed, model.lm_head.packed)
+    assert type(loaded.lm_head) is cls and torch.equal(loaded.lm_head.packed, model.lm_head.packed)
     with torch.no_grad():
         assert torch.equal(loaded(prompt()).logits, model(prompt()).logits)
+
+
+def test_lm_head_bits_errors():
     # lm_head_bits is for layers include/exclude leave out, and takes the values bits takes.
     with pytest.raises(ValueError, match="is for an lm_head that include/exclude leave out"):
         ulbtorch.quantize_(tiny_llama(), bits=2, exclude=[], lm_head_bits=8)
@@ -175,25 +180,6 @@ def test_lm_head_bits_int8(tmp_path):
         ulbtorch.quantize_(seq, bits=2, lm_head_bits=8)
     with pytest.raises(ValueError, match="bits must be"):
         ulbtorch.QuantConfig(lm_head_bits=3)
-
-
-def test_lm_head_bits_int4_groups(tmp_path):
-    model = tiny_llama()
-    float_head = model.lm_head
-    ulbtorch.quantize_(model, bits=2, lm_head_bits=4, lm_head_group_size=32)
-    assert type(model.lm_head) is Linear4Bit and model.lm_head.format == "int4"
-    assert model.lm_head.group_size == 32 and model.lm_head.granularity == "group"
-    assert all(type(model.get_submodule(n)) is Linear2Bit for n in lowbit_names(model) - {"lm_head"})
-    # 15 levels per group of 32 (mse scales), int8 activations: logits within ~10%.
-    with torch.no_grad():
-        h = model.model(prompt()).last_hidden_state
-        _close(model.lm_head(h), float_head(h), 0.1)
-    check_kernels_equal_reference(model)
-    ulbtorch.save_quantized(model, str(tmp_path))
-    loaded = ulbtorch.load_quantized(tiny_llama(seed=5), str(tmp_path))
-    assert type(loaded.lm_head) is Linear4Bit and torch.equal(loaded.lm_head.packed, model.lm_head.packed)
-    with torch.no_grad():
-        assert torch.equal(loaded(prompt()).logits, model(prompt()).logits)
     with pytest.raises(ValueError, match="lm_head_group_size=32 needs lm_head_bits"):
         ulbtorch.QuantConfig(lm_head_group_size=32)
     with pytest.raises(ValueError, match="lm_head_group_size=12: group_size must be 0 or a multiple of 8"):
