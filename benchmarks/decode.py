@@ -185,10 +185,15 @@ def main(argv=None):
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
-    args.lm_head_bits = [(int(v.partition(":")[0]), int(v.partition(":")[2] or 0))
-                         for v in common.parse_list(args.lm_head_bits) or []]
-    if any(b not in (4, 8) for b, _ in args.lm_head_bits):
-        p.error(f"--lm-head-bits takes 8 and/or 4, got {args.lm_head_bits}")
+    try:
+        args.lm_head_bits = [(int(v.partition(":")[0]), int(v.partition(":")[2] or 0))
+                             for v in common.parse_list(args.lm_head_bits) or []]
+        for head_bits, head_gs in args.lm_head_bits:
+            ulbtorch.QuantConfig(lm_head_bits=head_bits, lm_head_group_size=head_gs)
+        if any(b not in (4, 8) for b, _ in args.lm_head_bits):
+            raise ValueError("bits must be 8 or 4")
+    except ValueError as e:
+        p.error(f"--lm-head-bits: {e}")
     if args.quantize_lm_head and args.lm_head_bits:
         p.error("--quantize-lm-head (lm_head in the layers' format) and --lm-head-bits exclude each other")
 

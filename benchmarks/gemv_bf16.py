@@ -55,12 +55,15 @@ def main(argv=None):
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
-    packed = [(f.partition(":")[0], int(f.partition(":")[2] or 0))
-              for f in common.parse_list(args.packed) or []] + ([("int8", 0)] if args.int8 else [])
-    for fmt, gs in packed:
-        if ulbtorch.get_format(fmt).bits < 4:
-            p.error(f"--packed is for the formats an lm_head may take (int8, int4), got {fmt!r}")
-        ulbtorch.formats.normalize_group_size(gs, 1 << 30, fmt)
+    try:
+        packed = [(f.partition(":")[0], int(f.partition(":")[2] or 0))
+                  for f in common.parse_list(args.packed) or []] + ([("int8", 0)] if args.int8 else [])
+        for fmt, gs in packed:
+            if ulbtorch.get_format(fmt).bits < 4:
+                raise ValueError(f"it is for the formats an lm_head may take (int8, int4), got {fmt!r}")
+            ulbtorch.formats.normalize_group_size(gs, 1 << 30, fmt)
+    except ValueError as e:
+        p.error(f"--packed: {e}")
     labels = [f"{fmt}" + (f" g{gs}" if gs else "") for fmt, gs in packed]
 
     doc = common.load_shapes(args.shapes)

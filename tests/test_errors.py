@@ -9,7 +9,7 @@ import torch
 
 import ulbtorch
 from ulbtorch import ops, runtime
-from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, LinearTernary
 
 M, K = 8, 64
 
@@ -198,6 +198,25 @@ def test_codes_wrong_dtype_or_shape():
         ops.pack(torch.zeros(0, K, dtype=torch.uint8), torch.ones(0, 1), "int2")
     with pytest.raises(RuntimeError, match="invalid shape"):
         ops.pack(torch.zeros(M, 0, dtype=torch.uint8), torch.ones(M, 1), "int2")
+
+
+def test_group_size_checked_everywhere():
+    """int4 groups must be multiples of its 8-column tile, at every entry point."""
+    codes = torch.zeros(M, K, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"multiple of 16 \(32 for 1-bit, 8 for 4-bit"):
+        torch.ops.ulb.pack(codes, torch.ones(M, 6), ulbtorch.get_format("int4").id, 12)
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 8 for format 'int4'"):
+        ops.pack(codes, torch.ones(M, 6), "int4", 12)
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 8 for format 'int4'"):
+        Linear4Bit(K, M, group_size=12)
+    with pytest.raises(ValueError, match="multiple of 8 for 'int4'"):
+        ulbtorch.QuantConfig(bits=4, group_size=12)
+    with pytest.raises(ValueError, match="group_size must be 0 .* or positive, got -8"):
+        ulbtorch.QuantConfig(bits=4, group_size=-8)
+    with pytest.raises(ValueError, match="lm_head_group_size must be 0 .* or positive, got -8"):
+        ulbtorch.QuantConfig(lm_head_bits=4, lm_head_group_size=-8)
+    with pytest.raises(TypeError, match="lm_head_group_size must be an int, got '32'"):
+        ulbtorch.QuantConfig(lm_head_bits=4, lm_head_group_size="32")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -114,3 +114,16 @@ def test_starved_thread_stays_measured_and_recovers(two_threads):
     for _ in range(400):
         torch.ops.ulb.linear(x, small, None, M4)
     assert runtime.scheduler_stats(2)["ratio"][1] > 0.2, runtime.scheduler_stats(2)
+
+
+def test_each_code_width_has_its_own_table(two_threads):
+    """A 4-bit call moves the 4-bit table and no other (formats of one width share one)."""
+    g = torch.Generator().manual_seed(2)
+    blob4 = ops.pack(torch.randint(0, 15, (512, 1024), generator=g, dtype=torch.uint8), torch.ones(512, 1), "int4")
+    x = torch.randn(1, 1024, generator=g)
+    for _ in range(3):
+        torch.ops.ulb.linear(x, blob4, None, 512)
+    assert runtime.scheduler_stats(4)["calls"] == 3
+    assert all(runtime.scheduler_stats(bits)["calls"] == 0 for bits in (1, 2, 8, 16))
+    with pytest.raises(ValueError, match="no scheduler table for bits=3"):
+        runtime.scheduler_stats(3)

@@ -63,6 +63,12 @@ class QuantConfig:
 
     def __post_init__(self):
         self.include, self.exclude = patterns(self.include, "include"), patterns(self.exclude, "exclude")
+        for name in ("group_size", "lm_head_group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{name} must be 0 (one scale per output channel) or positive, got {value}")
         if self.format is None:
             self.format = _format_for_bits(self.bits)
         if self.lm_head_group_size and self.lm_head_bits is None:

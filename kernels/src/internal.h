@@ -31,8 +31,8 @@ static inline int64_t ulb_prefetch_bytes(int bits) { return bits == 1 ? ULB_PREF
 /* Prefetch the line ulb_prefetch_bytes(bits) past p into L2, unless that is
  * at or past `end`, the end of the panels the calling thread reads: beyond
  * it lie another thread's panels or another matrix, and on a small matrix
- * the overshoot is a large share of the traffic (16 KiB of the 64 KiB a
- * thread reads of a 1-bit 1024x2048 GEMV on two threads). */
+ * the overshoot is a sizeable share of the traffic (16 KiB more on the
+ * 130 KiB each thread reads of a 1-bit 1024x2048 GEMV on two threads). */
 static inline void ulb_prefetch_ahead(const uint8_t *p, int bits, const uint8_t *end) {
     if (ulb_prefetch_bytes(bits) && p + ulb_prefetch_bytes(bits) < end)
         __builtin_prefetch(p + ulb_prefetch_bytes(bits), 0, 2); /* prefetcht1 */
@@ -48,6 +48,15 @@ typedef struct {
 
 static inline ulb_layout ulb_weight_layout(const ulb_weight *w) {
     return (ulb_layout){w->bits, w->M_pad, w->ksteps, w->gsteps, w->n_groups};
+}
+
+/* Panels of 64 rows in w; the last may hold fewer. */
+static inline int64_t ulb_weight_npanels(const ulb_weight *w) { return (w->M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS; }
+
+/* The end of panels [0, p) of w: a bound for the prefetches of a thread whose
+ * panels end at p (ulb_prefetch_ahead). */
+static inline const uint8_t *ulb_weight_panels_end(const ulb_weight *w, int64_t p) {
+    return w->panels + ulb_panels_end(w->M_pad, w->ksteps, w->n_groups, p);
 }
 
 /* Group g of panel p (nt tiles): its scales, nt x 16 fp32, then its codes. */

@@ -60,7 +60,7 @@ static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const v
         lut1 = (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes;
         ulb_lut1_build_avx512(q->xq, w->ksteps, lut1);
     }
-    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, NULL};
+    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w))};
     return ULB_OK;
 }
 
@@ -89,7 +89,7 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     const linear_job *job = ctx;
     const ulb_weight *w = job->w;
     ulb_acts acts = *job->acts;
-    acts.prefetch_end = w->panels + ulb_panels_end(w->M_pad, w->ksteps, w->n_groups, p1);
+    acts.prefetch_end = ulb_weight_panels_end(w, p1);
     int64_t m0;
     if (job->facc1) {
         for (int64_t p = p0; p < p1; p++)
@@ -130,8 +130,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     if (st != ULB_OK) return st;
     const linear_job job = {&w, &q.acts, N, ulb_panel_for_isa(isa), ulb_store_for_isa(isa),
                             {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
-    const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
-    st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, npanels, linear_panels, (void *)&job);
+    st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     acts_free(&q);
     return st;
 }
@@ -151,8 +150,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     if (!pd) return ULB_ERR_NOMEM;
     uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
     if (lut) ulb_lut1_build_avx512(xq, w.ksteps, lut1);
-    const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
-    const ulb_acts acts = {xq, w.K_pad, xsum, lut1, w.panels + ulb_panels_end(w.M_pad, w.ksteps, w.n_groups, npanels)};
+    const ulb_acts acts = {xq, w.K_pad, xsum, lut1, ulb_weight_panels_end(&w, ulb_weight_npanels(&w))};
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;

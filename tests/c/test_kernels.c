@@ -22,11 +22,10 @@ static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
     if (ulb_pack(fmt, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
     ulb_unpack(blob, nb, codes2, sc2);
     if (memcmp(codes, codes2, M * K) || memcmp(sc, sc2, M * G * 4)) { printf("unpack mismatch\n"); return 1; }
-    /* The kernels' prefetch bound (ulb_panels_end) must end where the blob's panels do. */
+    /* The kernels' prefetch bound (ulb_weight_panels_end) must end where the blob's panels do. */
     ulb_weight w;
     ulb_weight_view(blob, nb, &w);
-    const int64_t npanels = (w.M_pad + ULB_PANEL_ROWS - 1) / ULB_PANEL_ROWS;
-    if (ULB_HEADER_BYTES + ulb_panels_end(w.M_pad, w.ksteps, w.n_groups, npanels) + 64 != nb) {
+    if (ulb_weight_panels_end(&w, ulb_weight_npanels(&w)) + 64 != blob + nb) {
         printf("panels end mismatch fmt=%d M=%ld K=%ld gs=%ld\n", fmt, (long)M, (long)K, (long)gs);
         return 1;
     }

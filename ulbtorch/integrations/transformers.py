@@ -47,6 +47,13 @@ class UlbConfig(QuantizationConfigMixin):
         self.bf16_gemv = bool(bf16_gemv)
         self.lm_head_bits, self.lm_head_group_size = lm_head_bits, q.lm_head_group_size
 
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if not d.get("lm_head_group_size"):
+            # Absent means 0, and an older ulbtorch reads such a config.
+            d.pop("lm_head_group_size", None)
+        return d
+
     def to_quant_config(self) -> QuantConfig:
         return QuantConfig(bits=self.bits, format=self.format, group_size=self.group_size,
                            granularity=self.granularity, method=self.method,

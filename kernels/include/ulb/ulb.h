@@ -64,8 +64,8 @@ const ulb_format_info *ulb_format_get(int format);
 
 /* Rows of one panel: threads split work in whole panels. */
 #define ULB_PANEL_ROWS 64
-/* K is padded to a multiple of 16 (2-bit), 32 (1-bit) or 4 (8-bit) columns;
- * group sizes must be multiples of the same. */
+/* K is padded to a multiple of 32 (1-bit), 16 (2-bit), 8 (4-bit) or 4 (8-bit)
+ * columns; group sizes must be multiples of the same. */
 
 typedef struct {
     uint32_t magic;   /* ULB_MAGIC */
