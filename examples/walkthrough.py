@@ -12,7 +12,7 @@
 # (perplexity from ~24 to 10^5-10^6 on the sample text, although each layer keeps ~60% of its weight
 # signal: small models have little redundancy, and 2-bit/ternary models are normally *trained* for it,
 # like BitNet b1.58, whose checkpoints ulbtorch loads losslessly), while the int8 activations alone cost
-# about 4% of perplexity and int4 weights in groups of 32 keep the model usable (perplexity ~31).
+# about 4% of perplexity and int4 weights in groups of 32 keep the model usable (perplexity ~28).
 
 # %%
 import copy
@@ -92,7 +92,8 @@ del act_only
 # ## Quantise: 2-bit, ternary and 4-bit weights
 #
 # `quantize_` replaces every `nn.Linear` but `lm_head`; `progress=True` shows a bar and the memory saved.
-# int4 (levels -7..7, MSE-chosen scale per group) is the format for a model not trained for low bits.
+# int4 (levels -8..7, llama.cpp's Q4_0 scale rule per group) is the format for a model not trained for
+# low bits.
 
 # %%
 quantized = {}

@@ -275,27 +275,66 @@ def test_class_default_format(gen, cls):
     assert layer.granularity == "channel" and layer.group_size == 0
 
 
-@pytest.mark.parametrize("fmt,top_level", [("int8", 127), ("int4", 7)])
-def test_symmetric_absmax_codes(gen, fmt, top_level):
-    """Symmetric int8 / int4: each row's largest |w| lands exactly on level
-    +-127 / +-7, every code is in 0..2*top (the last code is invalid), and
-    rounding errs by at most half a step."""
+def test_int8_absmax_codes(gen):
+    """Symmetric int8: each row's largest |w| lands exactly on level +-127,
+    every code is in 0..254 (255 is invalid), and rounding errs by at most
+    half a step."""
     w = torch.randn(M_OUT, K_IN, generator=gen)
-    codes, scales = quantize_weight(w, fmt, 0, "channel", "absmax")
-    assert codes.dtype == torch.uint8 and int(codes.max()) <= 2 * top_level
-    levels = codes.to(torch.int32) - top_level
+    codes, scales = quantize_weight(w, "int8", 0, "channel", "absmax")
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 254
+    levels = codes.to(torch.int32) - 127
     top = w.abs().argmax(dim=1, keepdim=True)
-    assert torch.equal(levels.gather(1, top).abs(), torch.full((M_OUT, 1), top_level, dtype=torch.int32))
+    assert torch.equal(levels.gather(1, top).abs(), torch.full((M_OUT, 1), 127, dtype=torch.int32))
     assert ((levels * scales - w).abs() <= scales / 2 * (1 + 1e-6)).all()
 
 
-def test_int4_default_method():
-    """int4: mse per group, absmax per channel or tensor (quantizers.py says why)."""
-    lin = torch.nn.Linear(64, 8)
-    assert Linear4Bit.from_linear(lin).unpack()[1].equal(
-        Linear4Bit.from_linear(lin, method="absmax").unpack()[1])
-    assert Linear4Bit.from_linear(lin, group_size=32).unpack()[1].equal(
-        Linear4Bit.from_linear(lin, group_size=32, method="mse").unpack()[1])
+@pytest.mark.parametrize("fmt,outer", [("int4", -8), ("int2", -2)])
+def test_asymmetric_absmax_codes(gen, fmt, outer):
+    """int4 (-8..7) and int2 (-2..1): each row's largest |w|, of either sign,
+    lands exactly on the long side's outer level (a negative scale when that
+    w is positive); every weight is within half a step, except those of the
+    other sign clipped to the short side's last level, within one step."""
+    w = torch.randn(M_OUT, K_IN, generator=gen)
+    codes, scales = quantize_weight(w, fmt, 0, "channel", "absmax")
+    f = get_format(fmt)
+    levels = f.codes_to_levels(codes)
+    top = w.abs().argmax(dim=1, keepdim=True)
+    assert torch.equal(levels.gather(1, top), torch.full((M_OUT, 1), outer, dtype=torch.int32))
+    signs = torch.sign(scales).flatten()
+    assert torch.equal(signs, -torch.sign(w.gather(1, top)).flatten())  # both signs occur over 37 rows
+    assert (signs > 0).any() and (signs < 0).any()
+    err = (levels * scales - w).abs()
+    clipped = levels == -outer - 1
+    assert (err[~clipped] <= (scales.abs() / 2 * (1 + 1e-6)).expand_as(err)[~clipped]).all()
+    assert (err <= scales.abs() * (1 + 1e-6)).all()
+
+
+def test_llama_cpp_q4_0_weights_quantise_back_exactly(gen):
+    """A weight dequantised from llama.cpp Q4_0 blocks (32 weights, fp16 d =
+    signed max / -8, codes min(15, (int)(x/d + 8.5)), w = d (q - 8)), as
+    transformers' GGUF loader produces it, gives back the same codes and
+    scales from int4 absmax in groups of 32."""
+    x = torch.randn(M_OUT, 8 * 32, generator=gen)
+    x[0, :32] = 0.0  # an all-zero block: d = 0
+    blocks = x.reshape(M_OUT, 8, 32)
+    top = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = (blocks.gather(-1, top) / -8).to(torch.float16).float()
+    inv = torch.where(d == 0, 0.0, 1.0 / d)
+    q = torch.clamp((blocks * inv + 8.5).trunc(), max=15)
+    w = (d * (q - 8)).reshape(M_OUT, -1)
+    codes, scales = quantize_weight(w, "int4", 32, "group", "absmax")
+    assert torch.equal(codes, q.reshape(M_OUT, -1).to(torch.uint8))
+    nonzero = d.squeeze(-1) != 0
+    assert torch.equal(scales[nonzero], d.squeeze(-1)[nonzero])
+    assert torch.equal(ops.dequantize(codes, scales, "int4", 32), w)
+
+
+@pytest.mark.parametrize("gs", [0, 32])
+def test_int4_default_method(gen, gs):
+    """int4 defaults to absmax (quantizers.py says why), which mse would not match."""
+    lin = _float_linear(gen, K=256, M=8)
+    scales = {m: Linear4Bit.from_linear(lin, group_size=gs, method=m).unpack()[1] for m in (None, "absmax", "mse")}
+    assert scales[None].equal(scales["absmax"]) and not scales[None].equal(scales["mse"])
 
 
 def test_reference_path_sees_new_weights(gen):

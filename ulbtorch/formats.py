@@ -42,7 +42,7 @@ FORMATS = {
         Format("ternary", 3, 2, 1, -1, 2),    # {-1, 0, 1}
         Format("binary", 4, 1, 2, -1, 1),     # {-1, 1}
         Format("int8", 5, 8, 1, -127, 254),   # -127..127: for layers kept near full precision (lm_head)
-        Format("int4", 6, 4, 1, -7, 14),      # -7..7
+        Format("int4", 6, 4, 1, -8, 15),      # -8..7, as llama.cpp's Q4_0
     )
 }
 FORMATS_BY_ID = {f.id: f for f in FORMATS.values()}

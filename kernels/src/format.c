@@ -11,7 +11,7 @@ static const ulb_format_info FORMATS[] = {
     [ULB_FMT_TERNARY] = {2, 1, -1, 2, "ternary"},
     [ULB_FMT_BINARY] = {1, 2, -1, 1, "binary"},
     [ULB_FMT_INT8] = {8, 1, -127, 254, "int8"},
-    [ULB_FMT_INT4] = {4, 1, -7, 14, "int4"},
+    [ULB_FMT_INT4] = {4, 1, -8, 15, "int4"},
 };
 
 const ulb_format_info *ulb_format_get(int format) {
@@ -41,7 +41,7 @@ const char *ulb_status_str(ulb_status s) {
 
 /* Accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
  * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31) and 16 * sum q x
- * for 4-bit codes (16 * 14 * 128 * 65536 < 2^31), and |sum q x| of 8-bit
+ * for 4-bit codes (16 * 15 * 128 * 65536 < 2^31), and |sum q x| of 8-bit
  * codes stays at most 254 * 128 * 65536 < 2^31 (activations are -127..127
  * from ulb_quantize_act; int_dots takes -128 too). */
 #define ULB_MAX_K (1LL << 16)

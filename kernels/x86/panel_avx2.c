@@ -3,7 +3,7 @@
  * time (two 8-row halves), so each pass reads one sequential stream.
  * Exact in 16 bits: the products of all fields of a half tile are summed in
  * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit),
- * 8 * 2*1*128 = 2048 (1-bit) or 2 * 2*14*128 = 7168 (4-bit) in magnitude. 8-bit codes (up to 254) would
+ * 8 * 2*1*128 = 2048 (1-bit) or 2 * 2*15*128 = 7680 (4-bit) in magnitude. 8-bit codes (up to 254) would
  * saturate vpmaddubsw's pair sums, so they go in as two nibbles, q = lo +
  * 16 hi, each pair sum at most 2*15*128. Must match ref/panel_ref.c bit for
  * bit. */

@@ -247,7 +247,7 @@ class Linear8Bit(LowBitLinear):
 
 
 class Linear4Bit(LowBitLinear):
-    """int4 weights, levels -7..7 x scale, two per byte: a quarter of the
+    """int4 weights, levels -8..7 x scale, two per byte: a quarter of the
     bytes of bf16 (quantize_(..., bits=4), or lm_head_bits=4 for the head)."""
     FORMATS = ("int4",)
 

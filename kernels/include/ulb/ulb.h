@@ -48,7 +48,7 @@ typedef enum {
     ULB_FMT_BINARY = 4,   /* levels {-1,1}:       2q - 1          */
     ULB_FMT_INT8 = 5,     /* levels -127..127:    q - 127, code 255 invalid (for layers kept near full
                            * precision, such as lm_head) */
-    ULB_FMT_INT4 = 6      /* levels -7..7:        q - 7, code 15 invalid */
+    ULB_FMT_INT4 = 6      /* levels -8..7:        q - 8 (llama.cpp's Q4_0 levels) */
 } ulb_format;
 
 typedef struct {
