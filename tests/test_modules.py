@@ -309,6 +309,26 @@ def test_asymmetric_absmax_codes(gen, fmt, outer):
     assert (err <= scales.abs() * (1 + 1e-6)).all()
 
 
+def test_q4_0_of_llama_cpp_reference_quantises_back_exactly():
+    """The same against llama.cpp's own Python codec (gguf-py): weights
+    quantised to Q4_0 and dequantised by it give back its nibbles and fp16
+    scales from int4 absmax in groups of 32."""
+    gguf = pytest.importorskip("gguf")
+    np = pytest.importorskip("numpy")
+    x = np.random.default_rng(0).standard_normal((37, 256)).astype(np.float32)
+    x[0, :32] = 0.0
+    qtype = gguf.GGMLQuantizationType.Q4_0
+    raw = gguf.quants.quantize(x, qtype).reshape(37, 8, 18)  # per block: fp16 d, 16 bytes of nibbles
+    w = torch.from_numpy(gguf.quants.dequantize(raw.reshape(37, -1), qtype))
+    d = torch.from_numpy(raw[..., :2].copy().view(np.float16).astype(np.float32)).squeeze(-1)
+    nibbles = raw[..., 2:]  # weight j < 16 of a block in the low nibble of byte j, weight 16 + j in the high one
+    q = torch.from_numpy(np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(37, 256))
+    codes, scales = quantize_weight(w, "int4", 32, "group", "absmax")
+    assert torch.equal(codes, q)
+    assert torch.equal(scales[d != 0], d[d != 0])
+    assert torch.equal(ops.dequantize(codes, scales, "int4", 32), w)
+
+
 def test_llama_cpp_q4_0_weights_quantise_back_exactly(gen):
     """A weight dequantised from llama.cpp Q4_0 blocks (32 weights, fp16 d =
     signed max / -8, codes min(15, (int)(x/d + 8.5)), w = d (q - 8)), as
