@@ -26,7 +26,8 @@ def float_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("bits,cls,gs", [(2, Linear2Bit, 64), (1, Linear1Bit, 0), ("ternary", LinearTernary, 32)])
+@pytest.mark.parametrize("bits,cls,gs", [(2, Linear2Bit, 64), (1, Linear1Bit, 0), ("ternary", LinearTernary, 32),
+                                       (4, Linear4Bit, 32)])
 def test_quantize_on_load_then_save_and_reload_bit_exact(float_dir, tmp_path, bits, cls, gs):
     model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=bits, group_size=gs))
     assert isinstance(model.model.layers[0].self_attn.q_proj, cls)
