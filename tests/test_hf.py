@@ -133,7 +133,7 @@ def test_include_exclude_patterns():
 
 
 # int8 weights and activations: logits within ~1% of the float lm_head's on the same hidden
-# states; int4 (15 levels, MSE scales per group of 32): within ~10%.
+# states; int4 (16 levels, Q4_0 scales per group of 32): within ~10%.
 @pytest.mark.parametrize("head_bits,head_gs,cls,rel", [(8, 0, Linear8Bit, 3e-2), (4, 32, Linear4Bit, 0.1)])
 def test_lm_head_bits(tmp_path, head_bits, head_gs, cls, rel):
     model = tiny_llama()

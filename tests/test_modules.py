@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from ulbtorch import ops
 from ulbtorch.formats import get_format, n_groups
 from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
-from ulbtorch.quantizers import quantize_weight
+from ulbtorch.quantizers import _MSE_RATIOS, quantize_weight
 
 CLASS_FORMATS = [(Linear2Bit, "int2_sym"), (Linear2Bit, "int2"), (LinearTernary, "ternary"),
                  (Linear1Bit, "binary"), (Linear4Bit, "int4"), (Linear8Bit, "int8")]
@@ -317,6 +317,7 @@ def test_q4_0_of_llama_cpp_reference_quantises_back_exactly():
     np = pytest.importorskip("numpy")
     x = np.random.default_rng(0).standard_normal((37, 256)).astype(np.float32)
     x[0, :32] = 0.0
+    x[1, :32] *= 1e-8  # its fp16 scale rounds to 0: the block dequantises to zeros, its codes are lost
     qtype = gguf.GGMLQuantizationType.Q4_0
     raw = gguf.quants.quantize(x, qtype).reshape(37, 8, 18)  # per block: fp16 d, 16 bytes of nibbles
     w = torch.from_numpy(gguf.quants.dequantize(raw.reshape(37, -1), qtype))
@@ -324,29 +325,47 @@ def test_q4_0_of_llama_cpp_reference_quantises_back_exactly():
     nibbles = raw[..., 2:]  # weight j < 16 of a block in the low nibble of byte j, weight 16 + j in the high one
     q = torch.from_numpy(np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(37, 256))
     codes, scales = quantize_weight(w, "int4", 32, "group", "absmax")
-    assert torch.equal(codes, q)
+    kept = (d != 0).repeat_interleave(32, dim=1)
+    assert (d == 0).sum() == 2 and (q[~kept] != 8).any()
+    assert torch.equal(codes[kept], q[kept]) and (codes[~kept] == 8).all()
     assert torch.equal(scales[d != 0], d[d != 0])
     assert torch.equal(ops.dequantize(codes, scales, "int4", 32), w)
 
 
 def test_llama_cpp_q4_0_weights_quantise_back_exactly(gen):
-    """A weight dequantised from llama.cpp Q4_0 blocks (32 weights, fp16 d =
-    signed max / -8, codes min(15, (int)(x/d + 8.5)), w = d (q - 8)), as
-    transformers' GGUF loader produces it, gives back the same codes and
-    scales from int4 absmax in groups of 32."""
+    """A weight dequantised from llama.cpp Q4_0 blocks (32 weights, d = signed
+    max / -8 stored as fp16, codes min(15, (int)(x/d + 8.5)) with the fp32 d,
+    w = fp16(d) (q - 8)), as transformers' GGUF loader produces it, gives back
+    the same codes and scales from int4 absmax in groups of 32."""
     x = torch.randn(M_OUT, 8 * 32, generator=gen)
     x[0, :32] = 0.0  # an all-zero block: d = 0
     blocks = x.reshape(M_OUT, 8, 32)
     top = blocks.abs().argmax(dim=-1, keepdim=True)
-    d = (blocks.gather(-1, top) / -8).to(torch.float16).float()
-    inv = torch.where(d == 0, 0.0, 1.0 / d)
+    d32 = blocks.gather(-1, top) / -8
+    d = d32.to(torch.float16).float()
+    inv = torch.where(d32 == 0, 0.0, 1.0 / d32)
     q = torch.clamp((blocks * inv + 8.5).trunc(), max=15)
+    assert (q == 15).any()  # llama.cpp's clamp of the short side occurs
     w = (d * (q - 8)).reshape(M_OUT, -1)
     codes, scales = quantize_weight(w, "int4", 32, "group", "absmax")
     assert torch.equal(codes, q.reshape(M_OUT, -1).to(torch.uint8))
     nonzero = d.squeeze(-1) != 0
     assert torch.equal(scales[nonzero], d.squeeze(-1)[nonzero])
     assert torch.equal(ops.dequantize(codes, scales, "int4", 32), w)
+
+
+@pytest.mark.parametrize("fmt", ["int2_sym", "ternary", "binary", "int8"])
+def test_symmetric_scales_keep_their_formula(gen, fmt):
+    """Symmetric level sets: absmax is exactly max|w| / max|level| and every
+    mse scale exactly max|w| * (r / max|level|) for a ratio r of the search,
+    rounded as before the asymmetric rule existed (so codes do not move)."""
+    w = torch.randn(M_OUT, 320, generator=gen)
+    top = float(get_format(fmt).levels.abs().max())
+    amax = w.abs().amax(dim=1, keepdim=True)
+    assert torch.equal(quantize_weight(w, fmt, 0, "channel", "absmax")[1], amax / top)
+    _, s = quantize_weight(w, fmt, 0, "channel", "mse")
+    candidates = torch.cat([amax * (r / top) for r in _MSE_RATIOS.tolist()], dim=1)
+    assert (s == candidates).any(dim=1).all()
 
 
 @pytest.mark.parametrize("gs", [0, 32])

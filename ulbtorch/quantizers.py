@@ -6,9 +6,10 @@ Scale choice per row / group / tensor:
               one (int4 -8..7, int2 -2..1) the longer side takes the largest
               |w| whatever its sign, through a negative scale when that w is
               positive (llama.cpp's Q4_0 rule, d = max / -8; weights of the
-              other sign past the short side's last level clip to it, by
-              less than one step), so a tensor dequantised from Q4_0 blocks
-              quantises back to the same codes and scales
+              other sign past the short side's last level clip to it, by at
+              most one step), so a tensor dequantised from Q4_0 blocks
+              quantises back to the same codes and scales (but for blocks
+              whose fp16 scale is 0: they dequantise to zeros)
   "absmean" : s = mean|w|               (BitNet b1.58's ternarisation; also the
                                           MSE-optimal scale for binary weights)
   "mse"     : s minimising the squared error over a grid of clipping ratios
@@ -44,16 +45,18 @@ def _codes_for(w: torch.Tensor, s: torch.Tensor, fmt: Format) -> torch.Tensor:
     return ((t - fmt.level_b) / fmt.level_a).round().clamp(0, fmt.max_code)
 
 
-def _absmax_scale(wg: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """The "absmax" scale of the module docstring, [..., 1]."""
+def _absmax_parts(wg: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, float, torch.Tensor | float]:
+    """(max|w| [..., 1], |outer level|, sign): the "absmax" scale of the module
+    docstring is sign * max|w| / |outer level|; the sign is -1 only where an
+    asymmetric level set puts a positive largest |w| on its negative side."""
     lo, hi = int(fmt.levels.min()), int(fmt.levels.max())
     outer = lo if -lo > hi else hi
     amax, where = wg.abs().max(dim=-1, keepdim=True)
-    s = amax.clamp(min=1e-8) / abs(outer)
+    amax = amax.clamp(min=1e-8)
     if -lo == hi:
-        return s
+        return amax, float(abs(outer)), 1.0
     extreme = wg.gather(-1, where)
-    return torch.where(extreme * outer < 0, -s, s)
+    return amax, float(abs(outer)), torch.where(extreme * outer < 0, -1.0, 1.0)
 
 
 def _scale(wg: torch.Tensor, fmt: Format, method: str) -> torch.Tensor:
@@ -65,13 +68,15 @@ def _scale(wg: torch.Tensor, fmt: Format, method: str) -> torch.Tensor:
         # the lossless test checks.
         inv = 1.0 / wg.abs().mean(dim=-1, keepdim=True).clamp(min=1e-5)
         return 1.0 / inv
-    base = _absmax_scale(wg, fmt)
+    amax, outer, sign = _absmax_parts(wg, fmt)
+    base = sign * (amax / outer)
     if method == "absmax":
         return base
     best_s = base
     best_err = torch.full_like(base, float("inf"))
     for r in _MSE_RATIOS.tolist():
-        s = base * r
+        # amax * (r / outer), rounded as it always was, then the sign (exact).
+        s = sign * (amax * (r / outer))
         # |s*level - w|^2 summed, with the level as a float: fewer full passes.
         level = _codes_for(wg, s, fmt).mul_(fmt.level_a).add_(fmt.level_b)
         err = level.mul_(s).sub_(wg).square_().sum(dim=-1, keepdim=True)
