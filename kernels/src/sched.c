@@ -28,13 +28,22 @@ static double slowdown[ULB_MAX_THREADS];
 static int static_split;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* First family of a code width (one per ISA follows), or -1 for a width
+ * with no kernels; bits 16 is the bf16 GEMV. */
+static int family_base(int bits) {
+    switch (bits) {
+    case 1: return 0;
+    case 2: return 3;
+    case 4: return ULB_SCHED_INT4;
+    case 8: return ULB_SCHED_INT8;
+    case 16: return ULB_SCHED_BF16;
+    default: return -1;
+    }
+}
+
 int ulb_sched_family(int bits, ulb_isa isa) {
-    const int base = bits == 1   ? 0
-                     : bits == 2 ? 3
-                     : bits == 4 ? ULB_SCHED_INT4
-                     : bits == 8 ? ULB_SCHED_INT8
-                                 : ULB_SCHED_BF16;
-    return base + (int)isa;
+    const int base = family_base(bits);
+    return (base < 0 ? ULB_SCHED_BF16 : base) + (int)isa;
 }
 
 static void reset_table(table *t, int n) {
@@ -113,8 +122,7 @@ double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
 void ulb_sched_after_fork(void) { pthread_mutex_init(&lock, NULL); }
 
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
-    if ((bits != 1 && bits != 2 && bits != 4 && bits != 8 && bits != 16) || (unsigned)isa > ULB_ISA_AVX512)
-        return ULB_ERR_FORMAT;
+    if (family_base(bits) < 0 || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
     pthread_mutex_lock(&lock);
     const table *t = &tables[ulb_sched_family(bits, isa)];
     memset(out, 0, sizeof *out);
