@@ -50,6 +50,12 @@ def parse_list(s: str | None, cast=str) -> list | None:
     return [cast(v.strip()) for v in s.split(",") if v.strip()]
 
 
+def parse_grouped(s: str, cast=str) -> list[tuple]:
+    """"A,B:32" -> [(A, 0), (B, 32)]: items with an optional group size
+    (0 = one scale per row). ValueError on a non-integer group size."""
+    return [(cast(v.partition(":")[0]), int(v.partition(":")[2] or 0)) for v in parse_list(s) or []]
+
+
 def parse_formats(s: str) -> list[str]:
     out = []
     for f in parse_list(s):

@@ -186,8 +186,7 @@ def main(argv=None):
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
     try:
-        args.lm_head_bits = [(int(v.partition(":")[0]), int(v.partition(":")[2] or 0))
-                             for v in common.parse_list(args.lm_head_bits) or []]
+        args.lm_head_bits = common.parse_grouped(args.lm_head_bits, int)
         for head_bits, head_gs in args.lm_head_bits:
             ulbtorch.QuantConfig(lm_head_bits=head_bits, lm_head_group_size=head_gs)
         if any(b not in (4, 8) for b, _ in args.lm_head_bits):

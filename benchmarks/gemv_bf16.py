@@ -56,8 +56,7 @@ def main(argv=None):
     p.add_argument("--markdown", help="write the results table as markdown here")
     args = p.parse_args(argv)
     try:
-        packed = [(f.partition(":")[0], int(f.partition(":")[2] or 0))
-                  for f in common.parse_list(args.packed) or []] + ([("int8", 0)] if args.int8 else [])
+        packed = common.parse_grouped(args.packed) + ([("int8", 0)] if args.int8 else [])
         for fmt, gs in packed:
             if ulbtorch.get_format(fmt).bits < 4:
                 raise ValueError(f"it is for the formats an lm_head may take (int8, int4), got {fmt!r}")
