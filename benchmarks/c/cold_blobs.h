@@ -5,6 +5,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 #include <time.h>
 
@@ -59,17 +60,21 @@ typedef ulb_status (*bench_pack_fn)(int format, int64_t M, int64_t K, int64_t gr
  * variant streams from better memory: on the VM of benchmarks/results, two
  * sets of identical blobs whose pages were faulted one set after the other
  * read 7-14% apart (the later set faster), in one arena as in separate
- * allocations. Fills blobs[v][i] for i < *count; returns 0, or -1 on
- * failure. */
+ * allocations. The arena starts on a 2 MiB boundary; `advice`, if not 0,
+ * is given to madvise (MADV_HUGEPAGE, MADV_NOHUGEPAGE) before any page is
+ * touched. Fills blobs[v][i] for i < *count; returns 0, or -1 on failure. */
 static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const int64_t *nbytes, int format,
-                                   int max_code, int64_t M, int64_t K, uint8_t ***blobs, int *count) {
+                                   int max_code, int64_t M, int64_t K, int advice, uint8_t ***blobs,
+                                   int *count) {
     int64_t stride = 0;
     for (int v = 0; v < nvar; v++) stride += (nbytes[v] + 63) / 64 * 64;
     int n = (int)((600LL << 20) * nvar / stride);
     if (n < 4) n = 4;
-    uint8_t *codes = malloc((size_t)(M * K)), *arena = aligned_alloc(64, (size_t)(stride * n));
+    const size_t huge = 2u << 20, arena_bytes = ((size_t)(stride * n) + huge - 1) / huge * huge;
+    uint8_t *codes = malloc((size_t)(M * K)), *arena = aligned_alloc(huge, arena_bytes);
     float *scales = malloc((size_t)M * sizeof(float));
     if (!codes || !scales || !arena) return -1;
+    if (advice && madvise(arena, arena_bytes, advice)) return -1;
     for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (max_code + 1));
     for (int64_t i = 0; i < M; i++) scales[i] = 0.01f + 0.001f * (float)(i % 7);
     for (int v = 0, off = 0; v < nvar; v++) {
@@ -100,7 +105,7 @@ static inline uint8_t **bench_cold_blobs_of(const bench_shape *a, int64_t *nbyte
     }
     uint8_t **blobs;
     const bench_pack_fn pack = ulb_pack;
-    return bench_cold_blobs(1, &pack, nbytes, a->format, fi->max_code, a->M, a->K, &blobs, count) ? NULL : blobs;
+    return bench_cold_blobs(1, &pack, nbytes, a->format, fi->max_code, a->M, a->K, 0, &blobs, count) ? NULL : blobs;
 }
 
 #endif
