@@ -1,0 +1,79 @@
+"""What the torch op adds to a cold GEMV: one 2-bit matrix copied into a
+~600 MiB rotation, then in turn every round (common.time_interleaved)
+  - the op, torch.ops.ulb.linear.default(x, blob, None, M), as the modules call it;
+  - the same C function, ulb_linear, through ctypes with raw pointers and a
+    preallocated output (no tensor touched per call);
+  - ulb_read_probe through ctypes with raw pointers (the stream roofline).
+Prints µs per call and each one's % of the probe (median of per-round ratios).
+
+  python benchmarks/op_overhead.py --shapes 640x2560,2048x2048,4096x4096 --threads 1,2
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import ulbtorch  # noqa: E402
+from ulbtorch.runtime import _lib  # noqa: E402
+
+ULB_DT_BF16 = 1  # ulb_dtype in kernels/include/ulb/ulb.h
+_lib.ulb_linear.restype = ctypes.c_int
+_lib.ulb_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                            ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+
+
+def measure(M: int, K: int, threads: int, reps: int) -> str:
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 4, (M, K), dtype=torch.uint8, generator=gen)
+    blob = ulbtorch.ops.pack(codes, torch.rand(M, 1, generator=gen) * 0.02 + 0.01, "int2_sym", 0)
+    x = torch.randn(1, K, dtype=torch.bfloat16, generator=gen)
+    y = torch.empty(1, M, dtype=torch.bfloat16)
+    blobs = common.replicate([blob], common.cold_rotation(blob.numel()))
+    ptrs = [b.data_ptr() for b in blobs]
+    nbytes, xp, yp = blob.numel(), x.data_ptr(), y.data_ptr()
+    checksum = ctypes.c_uint64()
+    op = torch.ops.ulb.linear.default
+
+    def c_linear(p):
+        if _lib.ulb_linear(p, nbytes, 1, xp, ULB_DT_BF16, K, 1, None, 0, yp, ULB_DT_BF16, M, threads):
+            raise RuntimeError("ulb_linear failed")
+
+    expect = op(x, blob, None, M)
+    c_linear(ptrs[0])
+    torch.testing.assert_close(y, expect, rtol=0, atol=0)  # the two paths compute the same thing
+    samples: list[list[float]] = []
+    t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (ptrs, c_linear),
+                                 (ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum)))],
+                                reps=reps, samples_out=samples)
+    op_pct = 100 * common.median_ratio(samples[2], samples[0])
+    c_pct = 100 * common.median_ratio(samples[2], samples[1])
+    return (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:9.1f}  {t[1] * 1e6:11.1f}  {t[2] * 1e6:10.1f}  "
+            f"{op_pct:8.0f}%  {c_pct:10.0f}%")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="640x2560,1024x2048,2048x2048,4096x4096", help="MxK list")
+    p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    p.add_argument("--reps", type=int, default=15, help="rounds of samples (default 15)")
+    args = p.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in common.parse_list(args.shapes)]
+    threads = common.parse_list(args.threads, int)
+    common.print_environment()
+    print("shape       thr  us op  us C (ctypes)  us probe  op/probe  C/probe")
+    for M, K in shapes:
+        for n in threads:
+            with common.num_threads(n):
+                print(measure(M, K, n, args.reps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
