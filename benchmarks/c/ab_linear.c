@@ -24,6 +24,32 @@
 ULB_AB_DECLARE(A_)
 ULB_AB_DECLARE(B_)
 
+typedef struct {
+    uint8_t **blobs, **blobs_b;
+    int n;
+    int64_t nbytes, nbytes_b;
+    const void *x;
+    void *ya, *yb;
+    ulb_dtype dt;
+    int64_t M, K;
+    int threads;
+} ab_job;
+
+/* Candidate 0: the read probe over A's blobs; 1: build A's GEMV; 2: build B's. */
+static int ab_run(void *ctx, int c) {
+    const ab_job *j = ctx;
+    for (int i = 0; i < j->n; i++) {
+        uint64_t checksum;
+        ulb_status st = c == 0   ? A_ulb_read_probe(j->blobs[i], j->nbytes, j->threads, &checksum)
+                        : c == 1 ? A_ulb_linear(j->blobs[i], j->nbytes, 1, j->x, j->dt, j->K, 1, NULL, j->dt, j->ya,
+                                                j->dt, j->M, j->threads)
+                                 : B_ulb_linear(j->blobs_b[i], j->nbytes_b, 1, j->x, j->dt, j->K, 1, NULL, j->dt,
+                                                j->yb, j->dt, j->M, j->threads);
+        if (st != ULB_OK) return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){2048, 2048, ULB_FMT_INT2_SYM, 1, 16});
     const int64_t M = a.M, K = a.K;
@@ -51,29 +77,13 @@ int main(int argc, char **argv) {
     ulb_status sb = B_ulb_linear(blobs_b[0], nbytes_b, 1, x, dt, K, 1, NULL, dt, yb, dt, M, threads);
     if (sa != ULB_OK || sb != ULB_OK) return 2;
     const int same = !memcmp(ya, yb, M * esize);
-    static double t[3][BENCH_MAX_ROUNDS + 1];
-    for (int r = 0; r <= rounds; r++) /* round 0 warms up */
-        for (int j = 0; j < 3; j++) {
-            const int c = (r + j) % 3; /* each round starts one candidate later */
-            uint64_t checksum;
-            const double t0 = bench_now_s();
-            for (int i = 0; i < n; i++) {
-                if (c == 0) A_ulb_read_probe(blobs[i], nbytes, threads, &checksum);
-                else if (c == 1) A_ulb_linear(blobs[i], nbytes, 1, x, dt, K, 1, NULL, dt, ya, dt, M, threads);
-                else B_ulb_linear(blobs_b[i], nbytes_b, 1, x, dt, K, 1, NULL, dt, yb, dt, M, threads);
-            }
-            t[c][r] = bench_now_s() - t0;
-        }
-    double pa[BENCH_MAX_ROUNDS], pb[BENCH_MAX_ROUNDS], ba[BENCH_MAX_ROUNDS];
-    for (int r = 0; r < rounds; r++) {
-        pa[r] = t[0][r + 1] / t[1][r + 1];
-        pb[r] = t[0][r + 1] / t[2][r + 1];
-        ba[r] = t[1][r + 1] / t[2][r + 1];
-    }
+    ab_job job = {blobs, blobs_b, n, nbytes, nbytes_b, x, ya, yb, dt, M, K, threads};
+    static bench_times t[3];
+    if (bench_interleave(3, rounds, NULL, ab_run, &job, t)) return 2;
     printf("%s %ldx%ld, %d thread(s), %s, %d rounds of %d blobs: A %.1f%%, B %.1f%% of the read probe; "
            "B/A speed %.3f (median of per-round ratios)%s\n",
            fi->name, (long)M, (long)K, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n,
-           100 * bench_median(pa, rounds), 100 * bench_median(pb, rounds), bench_median(ba, rounds),
-           same ? "" : "; OUTPUTS DIFFER");
+           100 * bench_ratio_median(t[0], t[1], rounds), 100 * bench_ratio_median(t[0], t[2], rounds),
+           bench_ratio_median(t[1], t[2], rounds), same ? "" : "; OUTPUTS DIFFER");
     return 0;
 }

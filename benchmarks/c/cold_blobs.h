@@ -36,6 +36,39 @@ typedef struct {
 
 #define BENCH_MAX_ROUNDS 200
 
+/* Seconds of every round of one candidate; round 0 is the warm-up. */
+typedef double bench_times[BENCH_MAX_ROUNDS + 1];
+
+/* One timed pass of candidate c over its rotation; nonzero on failure. */
+typedef int (*bench_run_fn)(void *ctx, int c);
+
+/* Runs candidates c < ncand (those with enabled[c], or all when enabled is
+ * NULL) in turn, rounds + 1 times, each round starting one candidate later
+ * so that none always follows the same neighbour and drifting DRAM speed
+ * weighs on all alike: t[c][r] = seconds of run(ctx, c) in round r. Returns
+ * the first failure of run, or 0. */
+static inline int bench_interleave(int ncand, int rounds, const int *enabled, bench_run_fn run, void *ctx,
+                                   bench_times *t) {
+    for (int r = 0; r <= rounds; r++)
+        for (int j = 0; j < ncand; j++) {
+            const int c = (r + j) % ncand;
+            if (enabled && !enabled[c]) continue;
+            const double t0 = bench_now_s();
+            const int rc = run(ctx, c);
+            if (rc) return rc;
+            t[c][r] = bench_now_s() - t0;
+        }
+    return 0;
+}
+
+/* Median over the timed rounds of num[r] / den[r]: two candidates timed
+ * moments apart, so the ratio cancels the DRAM speed of that moment. */
+static inline double bench_ratio_median(const bench_times num, const bench_times den, int rounds) {
+    double v[BENCH_MAX_ROUNDS];
+    for (int r = 0; r < rounds; r++) v[r] = num[r + 1] / den[r + 1];
+    return bench_median(v, rounds);
+}
+
 /* Fills what argv gives over the defaults in d; rounds kept in [1, BENCH_MAX_ROUNDS]. */
 static inline bench_shape bench_parse_shape(int argc, char **argv, bench_shape d) {
     if (argc > 1) d.M = atoll(argv[1]);

@@ -12,6 +12,29 @@
 
 enum { PROBE_4K, GEMV_4K, PROBE_HUGE, GEMV_HUGE, CANDIDATES };
 
+typedef struct {
+    uint8_t **rot[2]; /* [0] 4 KiB pages, [1] huge pages */
+    int n[2];
+    int64_t nbytes;
+    const float *x;
+    float *y;
+    bench_shape a;
+} hugepages_job;
+
+/* Even candidates read the probe, odd ones run the GEMV; c / 2 picks the rotation. */
+static int hugepages_run(void *ctx, int c) {
+    const hugepages_job *j = ctx;
+    const int h = c / 2;
+    for (int i = 0; i < j->n[h]; i++) {
+        uint64_t checksum;
+        if (c % 2 == 0) ulb_read_probe(j->rot[h][i], j->nbytes, j->a.threads, &checksum);
+        else if (ulb_linear(j->rot[h][i], j->nbytes, 1, j->x, ULB_DT_F32, j->a.K, 1, NULL, ULB_DT_F32, j->y,
+                            ULB_DT_F32, j->a.M, j->a.threads))
+            return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){4096, 4096, ULB_FMT_INT2_SYM, 1, 10});
     const ulb_format_info *fi = ulb_format_get(a.format);
@@ -29,33 +52,19 @@ int main(int argc, char **argv) {
             return 2;
     float *x = malloc(a.K * sizeof(float)), *y = malloc(a.M * sizeof(float));
     for (int64_t k = 0; k < a.K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
-    static double t[CANDIDATES][BENCH_MAX_ROUNDS + 1];
-    for (int r = 0; r <= a.rounds; r++) /* round 0 warms up */
-        for (int j = 0; j < CANDIDATES; j++) {
-            const int c = (r + j) % CANDIDATES, h = c / 2; /* each round starts one candidate later */
-            uint64_t checksum;
-            const double t0 = bench_now_s();
-            for (int i = 0; i < n[h]; i++) {
-                if (c % 2 == 0) ulb_read_probe(rot[h][i], nbytes, a.threads, &checksum);
-                else if (ulb_linear(rot[h][i], nbytes, 1, x, ULB_DT_F32, a.K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32,
-                                    a.M, a.threads))
-                    return 2;
-            }
-            t[c][r] = bench_now_s() - t0;
-        }
-    double gbps[CANDIDATES], gain[2][BENCH_MAX_ROUNDS];
+    hugepages_job job = {{rot[0], rot[1]}, {n[0], n[1]}, nbytes, x, y, a};
+    static bench_times t[CANDIDATES];
+    if (bench_interleave(CANDIDATES, a.rounds, NULL, hugepages_run, &job, t)) return 2;
+    double gbps[CANDIDATES];
     for (int c = 0; c < CANDIDATES; c++) {
         double s[BENCH_MAX_ROUNDS];
         for (int r = 0; r < a.rounds; r++) s[r] = t[c][r + 1];
         gbps[c] = (double)n[c / 2] * nbytes / bench_median(s, a.rounds) / 1e9;
     }
-    for (int r = 0; r < a.rounds; r++) {
-        gain[0][r] = t[PROBE_4K][r + 1] / t[PROBE_HUGE][r + 1];
-        gain[1][r] = t[GEMV_4K][r + 1] / t[GEMV_HUGE][r + 1];
-    }
     printf("%s %ldx%ld, %d thread(s), GB/s: 4 KiB pages probe %.1f GEMV %.1f; 2 MiB pages probe %.1f GEMV %.1f; "
            "huge-page speed-up: probe %.2fx, GEMV %.2fx\n",
            fi->name, (long)a.M, (long)a.K, a.threads, gbps[PROBE_4K], gbps[GEMV_4K], gbps[PROBE_HUGE],
-           gbps[GEMV_HUGE], bench_median(gain[0], a.rounds), bench_median(gain[1], a.rounds));
+           gbps[GEMV_HUGE], bench_ratio_median(t[PROBE_4K], t[PROBE_HUGE], a.rounds),
+           bench_ratio_median(t[GEMV_4K], t[GEMV_HUGE], a.rounds));
     return 0;
 }

@@ -80,6 +80,35 @@ static void read_parallel(int loop, const uint8_t *p, int64_t nbytes, int thread
     ulb_parallel(ULB_SCHED_PROBE, threads, (nbytes + READ_UNIT - 1) / READ_UNIT, read_range, &job);
 }
 
+typedef struct {
+    uint8_t **blobs;
+    int n;
+    int64_t nbytes;
+    int threads;
+    const float *x;
+    float *y;
+    int64_t M, K;
+} widths_job;
+
+static int widths_run(void *ctx, int c) {
+    const widths_job *j = ctx;
+    for (int i = 0; i < j->n; i++) {
+        uint64_t checksum;
+        switch (c) {
+        case PROBE: ulb_read_probe(j->blobs[i], j->nbytes, j->threads, &checksum); break;
+        case R16:
+        case R32:
+        case R64:
+        case R64T: read_parallel(c, j->blobs[i], j->nbytes, j->threads); break;
+        default:
+            if (ulb_linear(j->blobs[i], j->nbytes, 1, j->x, ULB_DT_F32, j->K, 1, NULL, ULB_DT_F32, j->y, ULB_DT_F32,
+                           j->M, j->threads))
+                return 1;
+        }
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const bench_shape a = bench_parse_shape(argc, argv, (bench_shape){4096, 4096, ULB_FMT_INT2_SYM, 1, 15});
     const int64_t M = a.M, K = a.K;
@@ -95,39 +124,17 @@ int main(int argc, char **argv) {
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};
-    double t[NCAND][BENCH_MAX_ROUNDS + 1];
-    for (int r = 0; r <= rounds; r++) /* round 0 warms up */
-        for (int j = 0; j < NCAND; j++) {
-            const int c = (r + j) % NCAND; /* each round starts one candidate later */
-            if (!runs[c]) continue;
-            uint64_t checksum;
-            const double t0 = bench_now_s();
-            for (int i = 0; i < n; i++) {
-                switch (c) {
-                case PROBE: ulb_read_probe(blobs[i], nbytes, threads, &checksum); break;
-                case R16:
-                case R32:
-                case R64:
-                case R64T: read_parallel(c, blobs[i], nbytes, threads); break;
-                default:
-                    if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M,
-                                   threads))
-                        return 2;
-                }
-            }
-            t[c][r] = bench_now_s() - t0;
-        }
+    widths_job job = {blobs, n, nbytes, threads, x, y, M, K};
+    static bench_times t[NCAND];
+    if (bench_interleave(NCAND, rounds, runs, widths_run, &job, t)) return 2;
     printf("%s M=%ld K=%ld, %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
            (long)M, (long)K, threads, ulb_isa_name(ulb_isa_active()), rounds, n, nbytes / 1048576.0);
     for (int c = 0; c < NCAND; c++) {
         if (!runs[c]) continue;
-        double ratio[BENCH_MAX_ROUNDS], total = 0;
-        for (int r = 1; r <= rounds; r++) {
-            ratio[r - 1] = t[PROBE][r] / t[c][r];
-            total += t[c][r];
-        }
+        double total = 0;
+        for (int r = 1; r <= rounds; r++) total += t[c][r];
         printf("  %-15s %6.1f GB/s  %5.1f%% of the probe (median of per-round ratios)\n", names[c],
-               (double)rounds * n * nbytes / total / 1e9, 100 * bench_median(ratio, rounds));
+               (double)rounds * n * nbytes / total / 1e9, 100 * bench_ratio_median(t[PROBE], t[c], rounds));
     }
     return 0;
 }
