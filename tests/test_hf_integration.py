@@ -83,7 +83,9 @@ def test_packed_checkpoint_disagreeing_with_config_fails(float_dir, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     cfg["quantization_config"].update(format="binary", bits=1)  # other size
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(RuntimeError, match="mismatch"):
+    # transformers >= 5.2x refuses the buffer's size while loading; 5.17
+    # loads the blob and our check after loading refuses it.
+    with pytest.raises((RuntimeError, ValueError), match="mismatch|q_proj: the checkpoint disagrees"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
