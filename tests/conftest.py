@@ -13,12 +13,15 @@ def gen():
 
 @pytest.fixture(autouse=True)
 def _restore_runtime_state():
-    """No test may leak an ISA choice, a kernel switch or a thread count into
-    the next one."""
+    """No test may leak an ISA choice, a kernel switch, a prefetch distance or
+    a thread count into the next one."""
     isa = runtime.get_isa()
     lut1 = runtime.lut1_enabled()
     nthreads = torch.get_num_threads()
+    prefetch = {bits: runtime.prefetch_distance(bits) for bits in runtime.PREFETCH_WIDTHS}
     yield
     runtime.set_isa(isa)
     runtime.set_lut1(lut1)
     torch.set_num_threads(nthreads)
+    for bits, d in prefetch.items():
+        runtime.set_prefetch_distance(bits, d)

@@ -5,7 +5,7 @@
 # which times them against each other in one process. Then runs it on each
 # shape given.
 #   bash benchmarks/c/ab_builds.sh REV_A REV_B [shape ...]
-#   CFLAGS_A="" CFLAGS_B="-DULB_PREFETCH_2BIT=4096" bash benchmarks/c/ab_builds.sh . .
+#   CFLAGS_A="" CFLAGS_B="-falign-loops=64" bash benchmarks/c/ab_builds.sh . .
 # A shape is "M K format threads rounds" (default "2048 2048 2 1 16");
 # AB_BF16=1 in the environment times bf16 activations and output.
 set -euo pipefail

@@ -13,29 +13,14 @@
  * this many activation vectors. */
 #define ULB_NB_MAX 4
 
-/* How far ahead of the tile it reads a microkernel prefetches the code stream
- * into L2, per code width. Measured with a 1-thread cold GEMV on Zen 4
- * (benchmarks/c/prefetch_sweep.sh, each distance against these defaults in
- * one process): the 1-bit lookup kernel, which spends more instructions per
- * byte, needs it (none: 0.66x the speed at 16 KiB; 8 KiB 1.00-1.02x, 32 KiB
- * 0.98x); the 2-bit kernel streams best on the hardware prefetcher alone
- * (16 KiB ahead: 0.92-0.95x). 2-4 KiB ahead hurts both. 0 = off. */
-#ifndef ULB_PREFETCH_1BIT
-#define ULB_PREFETCH_1BIT 16384
-#endif
-#ifndef ULB_PREFETCH_2BIT
-#define ULB_PREFETCH_2BIT 0
-#endif
-static inline int64_t ulb_prefetch_bytes(int bits) { return bits == 1 ? ULB_PREFETCH_1BIT : ULB_PREFETCH_2BIT; }
-
-/* Prefetch the line ulb_prefetch_bytes(bits) past p into L2, unless that is
- * at or past `end`, the end of the panels the calling thread reads: beyond
- * it lie another thread's panels or another matrix, and on a small matrix
- * the overshoot is a sizeable share of the traffic (16 KiB more on the
- * 130 KiB each thread reads of a 1-bit 1024x2048 GEMV on two threads). */
-static inline void ulb_prefetch_ahead(const uint8_t *p, int bits, const uint8_t *end) {
-    if (ulb_prefetch_bytes(bits) && p + ulb_prefetch_bytes(bits) < end)
-        __builtin_prefetch(p + ulb_prefetch_bytes(bits), 0, 2); /* prefetcht1 */
+/* Prefetch the line `dist` bytes past p into L2 (dist: ulb_prefetch_distance,
+ * 0 = none), unless that is at or past `end`, the end of the panels the
+ * calling thread reads: beyond it lie another thread's panels or another
+ * matrix, and on a small matrix the overshoot is a sizeable share of the
+ * traffic (16 KiB more on the 130 KiB each thread reads of a 1-bit 1024x2048
+ * GEMV on two threads). */
+static inline void ulb_prefetch_ahead(const uint8_t *p, int64_t dist, const uint8_t *end) {
+    if (dist && p + dist < end) __builtin_prefetch(p + dist, 0, 2); /* prefetcht1 */
 }
 
 typedef struct {
@@ -70,6 +55,7 @@ typedef struct {
     const int32_t *xsum; /* N x n_groups */
     const uint8_t *lut1; /* lookup tables of the 1-bit one-token kernel, or NULL (see linear.c) */
     const uint8_t *prefetch_end; /* end of the calling thread's panels, see ulb_prefetch_ahead */
+    int64_t prefetch_dist;       /* ulb_prefetch_distance(bits) when the call began */
 } ulb_acts;
 
 /* The microkernel contract, identical for every ISA:
@@ -128,7 +114,7 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 #define ULB_LUT1_STEP_BYTES 256
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
-                           const uint8_t *prefetch_end, int32_t *acc);
+                           int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc);
 
 /* Rows kernel of the one-token bf16 GEMV (src/gemv_bf16.c): out[r] = the
  * fp32 dot of row r of w (bf16, K columns, row stride ldw) with the K

@@ -60,7 +60,8 @@ static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const v
         lut1 = (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes;
         ulb_lut1_build_avx512(q->xq, w->ksteps, lut1);
     }
-    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w))};
+    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w)),
+                        ulb_prefetch_distance(w->bits)};
     return ULB_OK;
 }
 

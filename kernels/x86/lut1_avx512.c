@@ -69,7 +69,7 @@ void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut) {
 
 /* s[t] += sum over k-steps [ks0, ks1) of (L + 16 H) lookups, rows of tile t. */
 ALWAYS_INLINE void lut1_loop(const uint8_t *codes, int64_t ks0, int64_t ks1, const uint8_t *lut,
-                             const uint8_t *pf_end, __m512i s[ULB_PANEL_TILES], const int nt) {
+                             int64_t pf_dist, const uint8_t *pf_end, __m512i s[ULB_PANEL_TILES], const int nt) {
     const __m512i m0f = _mm512_set1_epi8(0x0F), slot = _mm512_set1_epi32(0x30201000);
     const __m512i ones = _mm512_set1_epi8(1), sixteens = _mm512_set1_epi8(16);
     for (int64_t ks = ks0; ks < ks1; ks++) {
@@ -79,7 +79,7 @@ ALWAYS_INLINE void lut1_loop(const uint8_t *codes, int64_t ks0, int64_t ks1, con
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
             const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
-            ulb_prefetch_ahead(tile, 1, pf_end);
+            ulb_prefetch_ahead(tile, pf_dist, pf_end);
             const __m512i v = _mm512_loadu_si512(tile);
             /* (nibble | b << 4): vpermb reads the low 6 bits. */
             const __m512i lo = _mm512_ternarylogic_epi32(v, m0f, slot, 0xEA);
@@ -93,14 +93,14 @@ ALWAYS_INLINE void lut1_loop(const uint8_t *codes, int64_t ks0, int64_t ks1, con
 }
 
 void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
-                           const uint8_t *pf_end, int32_t *acc) {
+                           int64_t pf_dist, const uint8_t *pf_end, int32_t *acc) {
     __m512i s[ULB_PANEL_TILES];
     for (int t = 0; t < ULB_PANEL_TILES; t++) s[t] = _mm512_setzero_si512();
     switch (nt) {
-    case 1: lut1_loop(codes, ks0, ks1, lut, pf_end, s, 1); break;
-    case 2: lut1_loop(codes, ks0, ks1, lut, pf_end, s, 2); break;
-    case 3: lut1_loop(codes, ks0, ks1, lut, pf_end, s, 3); break;
-    default: lut1_loop(codes, ks0, ks1, lut, pf_end, s, 4); break;
+    case 1: lut1_loop(codes, ks0, ks1, lut, pf_dist, pf_end, s, 1); break;
+    case 2: lut1_loop(codes, ks0, ks1, lut, pf_dist, pf_end, s, 2); break;
+    case 3: lut1_loop(codes, ks0, ks1, lut, pf_dist, pf_end, s, 3); break;
+    default: lut1_loop(codes, ks0, ks1, lut, pf_dist, pf_end, s, 4); break;
     }
     /* Every k-step adds 8 H lookups (4 slots, 2 nibbles) of bias 32, times 16. */
     const __m512i bias = _mm512_set1_epi32((int32_t)(8 * 16 * 32 * (ks1 - ks0)));

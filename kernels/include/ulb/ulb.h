@@ -159,6 +159,17 @@ void ulb_lut1_enable(int on);
 int ulb_lut1_enabled(void);
 int ulb_lut1_available(ulb_isa isa); /* whether this CPU can run it under `isa` */
 
+/* How far ahead of the codes it reads a microkernel prefetches into L2, per
+ * code width (bits 1, 2, 4 or 8), in bytes; 0 = no software prefetch, the
+ * hardware prefetcher alone. A speed setting only: results are the same bits
+ * whatever it is. Chosen at load by CPU vendor (kernels/src/prefetch.c gives
+ * the measurements), or read from env ULB_PREFETCH_1BIT, _2BIT, _4BIT,
+ * _8BIT. ulb_prefetch_set takes a multiple of 64 up to 1 MiB
+ * (ULB_ERR_SHAPE otherwise, ULB_ERR_FORMAT for another width);
+ * ulb_prefetch_distance returns -ULB_ERR_FORMAT for another width. */
+int64_t ulb_prefetch_distance(int bits);
+ulb_status ulb_prefetch_set(int bits, int64_t bytes);
+
 /* ---- threads & scheduler -------------------------------------------------- */
 
 /* Parallel regions run on ulbtorch's own pool unless the host registers a

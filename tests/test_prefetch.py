@@ -1,0 +1,104 @@
+"""The kernels' software prefetch distance (runtime.prefetch_distance): chosen
+at load by CPU vendor, settable, checked, and never a change in results."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ulbtorch import ops, runtime
+from ulbtorch.formats import FORMATS, get_format
+
+KERNELS = runtime.supported_isas()
+DISTANCES = (0, 64, 4096, 8192, 1 << 20)  # none, one line, typical, past the end of every matrix here
+
+
+def _cpu_vendor():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.split(":")[1].strip()
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU vendor from /proc/cpuinfo")
+def test_defaults_follow_the_cpu_vendor():
+    if any(f"ULB_PREFETCH_{b}BIT" in os.environ for b in runtime.PREFETCH_WIDTHS):
+        pytest.skip("ULB_PREFETCH_*BIT set in the environment")
+    assert runtime.prefetch_distance(1) == 16384
+    others = 8192 if _cpu_vendor() == "GenuineIntel" else 0
+    assert [runtime.prefetch_distance(b) for b in (2, 4, 8)] == [others] * 3
+
+
+@pytest.mark.parametrize("isa", KERNELS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_results_do_not_depend_on_distance(gen, fmt, isa):
+    """Bit-identical fp32 outputs at every distance, one and several tokens,
+    one and two threads, on a matrix larger than the common distances (so the
+    prefetches are issued) and equal to the scalar oracle."""
+    f = get_format(fmt)
+    M, K = 300, 4097  # neither a multiple of a panel or a tile
+    codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
+    blob = ops.pack(codes, torch.rand(M, 1, generator=gen) + 0.5, fmt)
+    x = torch.randn(5, K, generator=gen)
+    with runtime.use_isa("scalar"):
+        want = {n: torch.ops.ulb.linear(x[:n], blob, None, M) for n in (1, 5)}
+    with runtime.use_isa(isa):
+        for d in DISTANCES:
+            runtime.set_prefetch_distance(f.bits, d)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for n in (1, 5):
+                    got = torch.ops.ulb.linear(x[:n], blob, None, M)
+                    assert torch.equal(got, want[n]), (d, threads, n)
+
+
+def test_set_and_context():
+    before = runtime.prefetch_distance(2)
+    with runtime.use_prefetch_distance(2, 4096):
+        assert runtime.prefetch_distance(2) == 4096
+        assert runtime.prefetch_distance(4) == before  # one width at a time
+    assert runtime.prefetch_distance(2) == before
+    runtime.set_prefetch_distance(8, 0)
+    assert runtime.prefetch_distance(8) == 0
+
+
+@pytest.mark.parametrize("bits,nbytes,match", [
+    (3, 64, "no prefetch setting for bits=3"),
+    (16, 64, "no prefetch setting for bits=16"),
+    (2, 100, "multiple of 64"),
+    (2, -64, "multiple of 64"),
+    (2, (1 << 20) + 64, "multiple of 64"),
+    (2, 64.0, "multiple of 64"),
+])
+def test_bad_settings_rejected(bits, nbytes, match):
+    before = {b: runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS}
+    with pytest.raises(ValueError, match=match):
+        runtime.set_prefetch_distance(bits, nbytes)
+    assert {b: runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS} == before
+    with pytest.raises(ValueError, match="no prefetch setting for bits=3"):
+        runtime.prefetch_distance(3)
+
+
+def _distances_at_load(env):
+    code = ("import warnings; warnings.simplefilter('always'); from ulbtorch import runtime; "
+            "print([runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return eval(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+def test_environment_sets_distance_at_load():
+    defaults, _ = _distances_at_load({})
+    got, err = _distances_at_load({"ULB_PREFETCH_2BIT": "4096", "ULB_PREFETCH_1BIT": "0"})
+    assert got == [0, 4096] + defaults[2:] and "RuntimeWarning" not in err
+
+
+@pytest.mark.parametrize("value", ["4000", "abc", "-64", "2097152", ""])
+def test_bad_environment_value_is_ignored_with_a_warning(value):
+    defaults, _ = _distances_at_load({})
+    got, err = _distances_at_load({"ULB_PREFETCH_4BIT": value})
+    assert got == defaults
+    assert "ULB_PREFETCH_4BIT" in err and "ignored" in err
