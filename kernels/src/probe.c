@@ -1,38 +1,51 @@
 /* Streaming read of a buffer through the same pool and work split as the
  * GEMV: the memory roofline a GEMV is compared with, measured in the same run
- * and with the same access pattern (one contiguous stream per thread). */
+ * and with the same access pattern (one contiguous stream per thread). It
+ * prefetches as far ahead as the 2-bit kernel (ulb_prefetch_distance(2)), as
+ * that is this CPU's best plain read: with 8 or 16 KiB ahead the loop below
+ * reads 0.83-0.88x as fast on Zen 4 and 1.13-1.44x as fast on a Xeon, whose
+ * cores stream 10-11 GB/s without it. */
 #include <stdatomic.h>
 
+#include "internal.h"
 #include "sched.h"
 
 #define PROBE_UNIT (64 * 1024)
 
 typedef struct {
     const uint8_t *p;
-    int64_t nbytes;
+    int64_t nbytes, prefetch;
     _Atomic uint64_t sum;
 } probe_job;
 
-static void probe_range(void *ctx, int64_t u0, int64_t u1) {
-    probe_job *job = ctx;
-    const int64_t end = u1 * PROBE_UNIT < job->nbytes ? u1 * PROBE_UNIT : job->nbytes;
-    const uint64_t *q = (const uint64_t *)(job->p + u0 * PROBE_UNIT);
-    const int64_t words = (end - u0 * PROBE_UNIT) / 8;
+/* prefetch: a constant, so that the loop without it is the plain one. */
+ALWAYS_INLINE uint64_t sum_words(const uint64_t *q, int64_t words, int64_t dist, const int prefetch) {
+    const uint8_t *end = (const uint8_t *)(q + words);
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     int64_t i = 0;
     for (; i + 4 <= words; i += 4) {
+        if (prefetch && i % 8 == 0) ulb_prefetch_ahead((const uint8_t *)(q + i), dist, end); /* once a line */
         s0 += q[i];
         s1 += q[i + 1];
         s2 += q[i + 2];
         s3 += q[i + 3];
     }
     for (; i < words; i++) s0 += q[i];
-    atomic_fetch_add(&job->sum, s0 + s1 + s2 + s3);
+    return s0 + s1 + s2 + s3;
+}
+
+static void probe_range(void *ctx, int64_t u0, int64_t u1) {
+    probe_job *job = ctx;
+    const int64_t end = u1 * PROBE_UNIT < job->nbytes ? u1 * PROBE_UNIT : job->nbytes;
+    const uint64_t *q = (const uint64_t *)(job->p + u0 * PROBE_UNIT);
+    const int64_t words = (end - u0 * PROBE_UNIT) / 8;
+    const uint64_t s = job->prefetch ? sum_words(q, words, job->prefetch, 1) : sum_words(q, words, 0, 0);
+    atomic_fetch_add(&job->sum, s);
 }
 
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum) {
     if (!p || nbytes < 0 || ((uintptr_t)p % 8)) return ULB_ERR_SHAPE;
-    probe_job job = {p, nbytes, 0};
+    probe_job job = {p, nbytes, ulb_prefetch_distance(2), 0};
     ulb_status st = ulb_parallel(ULB_SCHED_PROBE, nthreads, (nbytes + PROBE_UNIT - 1) / PROBE_UNIT,
                                  probe_range, &job);
     if (checksum) *checksum = atomic_load(&job.sum);
