@@ -11,7 +11,7 @@ from ulbtorch import ops, runtime
 from ulbtorch.formats import FORMATS, get_format
 
 KERNELS = runtime.supported_isas()
-DISTANCES = (0, 64, 4096, 8192, 1 << 20)  # none, one line, typical, past the end of every matrix here
+DISTANCES = ("auto", 0, 64, 4096, 8192, 1 << 20)  # none, one line, typical, past every matrix here
 
 
 def _cpu_vendor():
@@ -23,12 +23,29 @@ def _cpu_vendor():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU vendor from /proc/cpuinfo")
-def test_defaults_follow_the_cpu_vendor():
+def test_automatic_rule():
     if any(f"ULB_PREFETCH_{b}BIT" in os.environ for b in runtime.PREFETCH_WIDTHS):
         pytest.skip("ULB_PREFETCH_*BIT set in the environment")
-    assert runtime.prefetch_distance(1) == 16384
-    others = 8192 if _cpu_vendor() == "GenuineIntel" else 0
-    assert [runtime.prefetch_distance(b) for b in (2, 4, 8)] == [others] * 3
+    assert [runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS] == ["auto"] * 4
+    intel = _cpu_vendor() == "GenuineIntel"
+    resolve = runtime.resolved_prefetch_distance
+    for threads in (1, 2, 16):
+        for group in (2048, 32768, 32832, 1 << 30):
+            assert resolve(1, threads, group) == 16384
+            short = threads == 1 and group <= 32768
+            for bits in (2, 4, 8):
+                assert resolve(bits, threads, group) == (8192 if intel or short else 0), (bits, threads, group)
+
+
+def test_fixed_setting_overrides_the_rule():
+    runtime.set_prefetch_distance(2, 4096)
+    assert runtime.prefetch_distance(2) == 4096
+    assert runtime.resolved_prefetch_distance(2, 2, 1 << 30) == 4096
+    assert runtime.resolved_prefetch_distance(4, 2, 1 << 30) in (0, 8192)  # other widths keep "auto"
+    runtime.set_prefetch_distance(1, 0)
+    assert runtime.resolved_prefetch_distance(1, 1, 2048) == 0
+    runtime.set_prefetch_distance(2, "auto")
+    assert runtime.prefetch_distance(2) == "auto"
 
 
 @pytest.mark.parametrize("isa", KERNELS)
@@ -58,7 +75,7 @@ def test_set_and_context():
     before = runtime.prefetch_distance(2)
     with runtime.use_prefetch_distance(2, 4096):
         assert runtime.prefetch_distance(2) == 4096
-        assert runtime.prefetch_distance(4) == before  # one width at a time
+        assert runtime.prefetch_distance(4) == runtime.prefetch_distance(8)  # one width at a time
     assert runtime.prefetch_distance(2) == before
     runtime.set_prefetch_distance(8, 0)
     assert runtime.prefetch_distance(8) == 0
@@ -71,6 +88,8 @@ def test_set_and_context():
     (2, -64, "multiple of 64"),
     (2, (1 << 20) + 64, "multiple of 64"),
     (2, 64.0, "multiple of 64"),
+    (2, "none", "multiple of 64"),
+    (2, None, "multiple of 64"),
 ])
 def test_bad_settings_rejected(bits, nbytes, match):
     before = {b: runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS}
@@ -92,11 +111,13 @@ def _distances_at_load(env):
 
 def test_environment_sets_distance_at_load():
     defaults, _ = _distances_at_load({})
-    got, err = _distances_at_load({"ULB_PREFETCH_2BIT": "4096", "ULB_PREFETCH_1BIT": "0"})
-    assert got == [0, 4096] + defaults[2:] and "RuntimeWarning" not in err
+    got, err = _distances_at_load({"ULB_PREFETCH_2BIT": "4096", "ULB_PREFETCH_1BIT": "0", "ULB_PREFETCH_8BIT": "auto"})
+    assert got == [0, 4096, defaults[2], "auto"] and "RuntimeWarning" not in err
+    got, err = _distances_at_load({"ULB_PREFETCH_4BIT": ""})  # empty: the default, silently
+    assert got == defaults and "RuntimeWarning" not in err
 
 
-@pytest.mark.parametrize("value", ["4000", "abc", "-64", "2097152", ""])
+@pytest.mark.parametrize("value", ["4000", "abc", "-64", "-1", "2097152", "Auto"])
 def test_bad_environment_value_is_ignored_with_a_warning(value):
     defaults, _ = _distances_at_load({})
     got, err = _distances_at_load({"ULB_PREFETCH_4BIT": value})

@@ -32,9 +32,10 @@ _lib.ulb_isa_supported.argtypes = [ctypes.c_int]
 _lib.ulb_isa_set.argtypes = [ctypes.c_int]
 _lib.ulb_lut1_enable.argtypes = [ctypes.c_int]
 _lib.ulb_lut1_available.argtypes = [ctypes.c_int]
-_lib.ulb_prefetch_distance.restype = ctypes.c_int64
-_lib.ulb_prefetch_distance.argtypes = [ctypes.c_int]
+_lib.ulb_prefetch_get.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
 _lib.ulb_prefetch_set.argtypes = [ctypes.c_int, ctypes.c_int64]
+_lib.ulb_prefetch_resolve.restype = ctypes.c_int64
+_lib.ulb_prefetch_resolve.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
 _lib.ulb_sched_stats_get.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_SchedStats)]
 _lib.ulb_sched_set_static.argtypes = [ctypes.c_int]
 _lib.ulb_sched_set_slowdown.argtypes = [ctypes.c_int, ctypes.c_double]
@@ -143,33 +144,51 @@ def use_lut1(on: bool):
 
 PREFETCH_WIDTHS = (1, 2, 4, 8)
 _PREFETCH_MAX = 1 << 20
+_PREFETCH_AUTO = -1
 
 
-def prefetch_distance(bits: int) -> int:
-    """How many bytes ahead of the codes it reads the kernel for `bits`-bit
-    weights (1, 2, 4 or 8) prefetches into L2; 0 = none. Chosen at load by CPU
-    vendor: 16 KiB for 1 bit; for the others none on AMD and 8 KiB on Intel,
-    where it streams 2-bit weights 1.2-1.6x faster (kernels/src/prefetch.c).
-    ULB_PREFETCH_2BIT=bytes (likewise _1BIT, _4BIT, _8BIT) in the
-    environment sets it at load."""
-    d = _lib.ulb_prefetch_distance(int(bits))
-    if d < 0:
-        raise ValueError(f"no prefetch setting for bits={bits}; widths are {PREFETCH_WIDTHS}")
-    return d
-
-
-def set_prefetch_distance(bits: int, nbytes: int) -> None:
-    """Set prefetch_distance(bits): a multiple of 64 from 0 (no software
-    prefetch) to 1 MiB. Speed only: results are the same bits at any distance."""
+def _check_width(bits):
     if bits not in PREFETCH_WIDTHS:
         raise ValueError(f"no prefetch setting for bits={bits}; widths are {PREFETCH_WIDTHS}")
-    if not (isinstance(nbytes, int) and 0 <= nbytes <= _PREFETCH_MAX and nbytes % 64 == 0):
-        raise ValueError(f"prefetch distance must be a multiple of 64 bytes from 0 to {_PREFETCH_MAX}, got {nbytes!r}")
+
+
+def prefetch_distance(bits: int):
+    """How many bytes ahead of the codes it reads the kernel for `bits`-bit
+    weights (1, 2, 4 or 8) prefetches into L2: an int (0 = none) or "auto",
+    the default, which decides per call: 16 KiB for 1 bit; for 2, 4 and 8
+    bits 8 KiB on Intel (2-bit streams 1.3-1.5x faster on a Xeon with it),
+    and elsewhere 8 KiB only on one thread with groups of at most 32 KiB of
+    codes per 64 rows, else none (kernels/src/prefetch.c has the
+    measurements). ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT,
+    _8BIT) in the environment sets it at load."""
+    _check_width(bits)
+    d = ctypes.c_int64()
+    _lib.ulb_prefetch_get(bits, ctypes.byref(d))
+    return "auto" if d.value == _PREFETCH_AUTO else d.value
+
+
+def resolved_prefetch_distance(bits: int, threads: int, group_code_bytes: int) -> int:
+    """The distance a call would use: `threads` threads, `group_code_bytes`
+    bytes of codes per group of a 64-row panel (64 x group length x bits / 8)."""
+    _check_width(bits)
+    return _lib.ulb_prefetch_resolve(bits, threads, group_code_bytes)
+
+
+def set_prefetch_distance(bits: int, nbytes) -> None:
+    """Set prefetch_distance(bits): "auto", or a multiple of 64 from 0 (no
+    software prefetch) to 1 MiB. Speed only: results are the same bits at any
+    distance."""
+    _check_width(bits)
+    if nbytes == "auto":
+        nbytes = _PREFETCH_AUTO
+    elif not (isinstance(nbytes, int) and 0 <= nbytes <= _PREFETCH_MAX and nbytes % 64 == 0):
+        raise ValueError(f"prefetch distance must be 'auto' or a multiple of 64 bytes from 0 to {_PREFETCH_MAX}, "
+                         f"got {nbytes!r}")
     if _lib.ulb_prefetch_set(bits, nbytes) != 0:
         raise RuntimeError(f"the kernels refused prefetch distance {nbytes} for bits={bits}")
 
 
-def use_prefetch_distance(bits: int, nbytes: int):
+def use_prefetch_distance(bits: int, nbytes):
     """Run the enclosed calls with prefetch_distance(bits) == nbytes."""
     return _setting(lambda: prefetch_distance(bits), lambda d: set_prefetch_distance(bits, d), nbytes)
 
@@ -177,9 +196,9 @@ def use_prefetch_distance(bits: int, nbytes: int):
 def _check_prefetch_env() -> None:
     for bits in PREFETCH_WIDTHS:
         want = os.environ.get(f"ULB_PREFETCH_{bits}BIT")
-        if want is not None and want.strip() != str(prefetch_distance(bits)):
-            warnings.warn(f"ULB_PREFETCH_{bits}BIT={want!r} ignored: not a multiple of 64 bytes from 0 to "
-                          f"{_PREFETCH_MAX}; the {bits}-bit kernels prefetch {prefetch_distance(bits)} bytes ahead",
+        if want is not None and want.strip() and want.strip() != str(prefetch_distance(bits)):
+            warnings.warn(f"ULB_PREFETCH_{bits}BIT={want!r} ignored: not 'auto' or a multiple of 64 bytes from 0 "
+                          f"to {_PREFETCH_MAX}; the {bits}-bit kernels use {prefetch_distance(bits)!r}",
                           RuntimeWarning, stacklevel=2)
 
 

@@ -3,9 +3,10 @@
  * pass) and ulb_read_probe at each distance (the probe prefetches at the
  * 2-bit distance), all over the same ~600 MiB rotation, taken in turn every
  * round. Prints, per distance, the GEMV's % of the default probe and its
- * speed against the GEMV at this CPU's default distance, and the probe's
- * speed against the default probe (medians of per-round ratios), so a new
- * CPU's best distances can be read off in one run.
+ * speed against the GEMV at the default setting ("auto" unless
+ * ULB_PREFETCH_<bits>BIT says otherwise), and the probe's speed against the
+ * default probe (medians of per-round ratios), so a new CPU's best distances
+ * can be read off in one run.
  * Usage: prefetch_sweep [M K format threads rounds]; ULB_SWEEP_DISTS="0 8192"
  * picks the distances (default 0 4096 8192 16384 32768). */
 #include <stdio.h>
@@ -17,7 +18,7 @@
 typedef struct {
     uint8_t **blobs;
     int n, bits, ndist;
-    int64_t nbytes, dist[MAX_DISTS + 1], probe_dist[MAX_DISTS + 1]; /* [0]: the defaults */
+    int64_t nbytes, dist[MAX_DISTS + 1], probe_dist[MAX_DISTS + 1]; /* [0]: the settings at start */
     const float *x;
     float *y;
     bench_shape a;
@@ -43,8 +44,8 @@ int main(int argc, char **argv) {
     sweep_job job = {.a = bench_parse_shape(argc, argv, (bench_shape){14336, 4096, ULB_FMT_INT2_SYM, 1, 12})};
     if (!(job.blobs = bench_cold_blobs_of(&job.a, &job.nbytes, &job.n))) return 2;
     job.bits = ulb_format_get(job.a.format)->bits;
-    job.dist[0] = ulb_prefetch_distance(job.bits);
-    job.probe_dist[0] = ulb_prefetch_distance(2);
+    ulb_prefetch_get(job.bits, &job.dist[0]);
+    ulb_prefetch_get(2, &job.probe_dist[0]);
     const char *env = getenv("ULB_SWEEP_DISTS");
     const char *s = env ? env : "0 4096 8192 16384 32768";
     char *end;
@@ -64,7 +65,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int r = job.a.rounds;
-    printf("%s %ldx%ld, %d thread(s), %d rounds of %d blobs; defaults: GEMV %ld, probe %ld bytes ahead; "
+    printf("%s %ldx%ld, %d thread(s), %d rounds of %d blobs; defaults (-1 = auto): GEMV %ld, probe %ld; "
            "GEMV %.1f%% of the probe\n",
            ulb_format_get(job.a.format)->name, (long)job.a.M, (long)job.a.K, job.a.threads, r, job.n,
            (long)job.dist[0], (long)job.probe_dist[0], 100 * bench_ratio_median(t[1], t[0], r));

@@ -13,7 +13,7 @@
  * this many activation vectors. */
 #define ULB_NB_MAX 4
 
-/* Prefetch the line `dist` bytes past p into L2 (dist: ulb_prefetch_distance,
+/* Prefetch the line `dist` bytes past p into L2 (dist: ulb_prefetch_resolve,
  * 0 = none), unless that is at or past `end`, the end of the panels the
  * calling thread reads: beyond it lie another thread's panels or another
  * matrix, and on a small matrix the overshoot is a sizeable share of the
@@ -33,6 +33,12 @@ typedef struct {
 
 static inline ulb_layout ulb_weight_layout(const ulb_weight *w) {
     return (ulb_layout){w->bits, w->M_pad, w->ksteps, w->gsteps, w->n_groups};
+}
+
+/* Bytes of codes in one group of one full panel: how often the group step
+ * interrupts the stream (ulb_prefetch_resolve). */
+static inline int64_t ulb_weight_group_code_bytes(const ulb_weight *w) {
+    return w->gsteps * ULB_PANEL_TILES * ULB_TILE_BYTES;
 }
 
 /* Panels of 64 rows in w; the last may hold fewer. */
@@ -55,7 +61,7 @@ typedef struct {
     const int32_t *xsum; /* N x n_groups */
     const uint8_t *lut1; /* lookup tables of the 1-bit one-token kernel, or NULL (see linear.c) */
     const uint8_t *prefetch_end; /* end of the calling thread's panels, see ulb_prefetch_ahead */
-    int64_t prefetch_dist;       /* ulb_prefetch_distance(bits) when the call began */
+    int64_t prefetch_dist;       /* ulb_prefetch_resolve for this call */
 } ulb_acts;
 
 /* The microkernel contract, identical for every ISA:

@@ -35,8 +35,8 @@ static int use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
 
 /* Per-token int8 activations, and with `lut` the lookup tables of the 1-bit
  * one-token kernel. */
-static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const void *x, ulb_dtype dt,
-                                int64_t ldx, int64_t incx, quantized_acts *q) {
+static ulb_status acts_quantize(const ulb_weight *w, int lut, int nthreads, int64_t N, const void *x,
+                                ulb_dtype dt, int64_t ldx, int64_t incx, quantized_acts *q) {
     const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
     const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
@@ -61,7 +61,7 @@ static ulb_status acts_quantize(const ulb_weight *w, int lut, int64_t N, const v
         ulb_lut1_build_avx512(q->xq, w->ksteps, lut1);
     }
     q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w)),
-                        ulb_prefetch_distance(w->bits)};
+                        ulb_prefetch_resolve(w->bits, nthreads, ulb_weight_group_code_bytes(w))};
     return ULB_OK;
 }
 
@@ -127,7 +127,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
     const int lut = use_lut1(&w, N, nthreads, isa);
     quantized_acts q;
-    st = acts_quantize(&w, lut, N, x, x_dt, ldx, incx, &q);
+    st = acts_quantize(&w, lut, nthreads, N, x, x_dt, ldx, incx, &q);
     if (st != ULB_OK) return st;
     const linear_job job = {&w, &q.acts, N, ulb_panel_for_isa(isa), ulb_store_for_isa(isa),
                             {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};

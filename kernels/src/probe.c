@@ -1,10 +1,11 @@
 /* Streaming read of a buffer through the same pool and work split as the
  * GEMV: the memory roofline a GEMV is compared with, measured in the same run
  * and with the same access pattern (one contiguous stream per thread). It
- * prefetches as far ahead as the 2-bit kernel (ulb_prefetch_distance(2)), as
- * that is this CPU's best plain read: with 8 or 16 KiB ahead the loop below
- * reads 0.83-0.88x as fast on Zen 4 and 1.13-1.44x as fast on a Xeon, whose
- * cores stream 10-11 GB/s without it. */
+ * prefetches as far ahead as the 2-bit kernel on long groups (the 2-bit
+ * setting resolved for a group of unbounded length), as that is this CPU's
+ * best plain read: with 8 or 16 KiB ahead the loop below reads 0.83-0.88x as
+ * fast on Zen 4 and 1.13-1.44x as fast on a Xeon, whose cores stream
+ * 10-11 GB/s without it. */
 #include <stdatomic.h>
 
 #include "internal.h"
@@ -45,7 +46,7 @@ static void probe_range(void *ctx, int64_t u0, int64_t u1) {
 
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum) {
     if (!p || nbytes < 0 || ((uintptr_t)p % 8)) return ULB_ERR_SHAPE;
-    probe_job job = {p, nbytes, ulb_prefetch_distance(2), 0};
+    probe_job job = {p, nbytes, ulb_prefetch_resolve(2, nthreads, INT64_MAX), 0};
     ulb_status st = ulb_parallel(ULB_SCHED_PROBE, nthreads, (nbytes + PROBE_UNIT - 1) / PROBE_UNIT,
                                  probe_range, &job);
     if (checksum) *checksum = atomic_load(&job.sum);

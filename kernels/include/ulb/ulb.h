@@ -160,15 +160,20 @@ int ulb_lut1_enabled(void);
 int ulb_lut1_available(ulb_isa isa); /* whether this CPU can run it under `isa` */
 
 /* How far ahead of the codes it reads a microkernel prefetches into L2, per
- * code width (bits 1, 2, 4 or 8), in bytes; 0 = no software prefetch, the
- * hardware prefetcher alone. A speed setting only: results are the same bits
- * whatever it is. Chosen at load by CPU vendor (kernels/src/prefetch.c gives
- * the measurements), or read from env ULB_PREFETCH_1BIT, _2BIT, _4BIT,
- * _8BIT. ulb_prefetch_set takes a multiple of 64 up to 1 MiB
- * (ULB_ERR_SHAPE otherwise, ULB_ERR_FORMAT for another width);
- * ulb_prefetch_distance returns -ULB_ERR_FORMAT for another width. */
-int64_t ulb_prefetch_distance(int bits);
+ * code width (bits 1, 2, 4 or 8): a distance in bytes (a multiple of 64 up
+ * to 1 MiB; 0 = no software prefetch, the hardware prefetcher alone) or
+ * ULB_PREFETCH_AUTO, the default, which picks one per call by CPU vendor,
+ * thread count and group length (kernels/src/prefetch.c gives the rule and
+ * its measurements). A speed setting only: results are the same bits
+ * whatever it is. Env ULB_PREFETCH_1BIT, _2BIT, _4BIT, _8BIT (bytes or
+ * "auto") set it at load. ulb_prefetch_set returns ULB_ERR_SHAPE for another
+ * value and both return ULB_ERR_FORMAT for another width.
+ * ulb_prefetch_resolve gives the distance a call would use: nthreads threads,
+ * group_code_bytes of codes in one group of one 64-row panel. */
+#define ULB_PREFETCH_AUTO (-1)
+ulb_status ulb_prefetch_get(int bits, int64_t *bytes);
 ulb_status ulb_prefetch_set(int bits, int64_t bytes);
+int64_t ulb_prefetch_resolve(int bits, int nthreads, int64_t group_code_bytes);
 
 /* ---- threads & scheduler -------------------------------------------------- */
 
