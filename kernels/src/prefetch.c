@@ -15,12 +15,13 @@
  *   matrix on 16 threads; int4 0.83-0.84x, int8 0.87-0.90x; 4 and 16 KiB
  *   are within 0.97-1.05x of 8 KiB.
  * - 2, 4 and 8 bits elsewhere (Zen 4): 8 KiB only when one thread runs the
- *   call and a panel's group holds at most 32 KiB of codes (K <= 2048 with
+ *   call and a panel's group holds at most 40 KiB of codes (K <= 2560 with
  *   per-channel 2-bit scales, any K with groups of 128 or less): the group
  *   step then comes often enough that the stream stalls behind it, and one
- *   core alone cannot hide that (2-bit 1.03-1.13x, int4 with groups of 32
- *   1.06-1.13x). On two threads 8 KiB ran 0.95-0.97x, and on one thread
- *   with longer groups 0.91-1.06x, so none there. */
+ *   core alone cannot hide that (2-bit 1.02-1.13x at K = 2048 and 2560,
+ *   int4 with groups of 32 1.06-1.13x). On two threads 8 KiB ran 0.95-0.97x,
+ *   and on one thread at K = 4096 (64 KiB groups) 0.91-0.99x through the op,
+ *   so none there. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -30,7 +31,7 @@
 #include "internal.h"
 
 #define PREFETCH_MAX_BYTES (1 << 20)
-#define SHORT_GROUP_BYTES (32 << 10)
+#define SHORT_GROUP_BYTES (40 << 10)
 #define NWIDTHS 4
 static const int WIDTHS[NWIDTHS] = {1, 2, 4, 8};
 
