@@ -8,29 +8,19 @@ import torch
 
 import ulbtorch
 from ulbtorch import ops
-from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
+from ulbtorch.nn import Linear2Bit, LowBitLinear
+
+from test_modules import CLASS_FORMATS, K_IN, M_OUT  # noqa: E402
+from test_modules import _float_linear as _linear  # noqa: E402
 
 ACC = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 pytestmark = pytest.mark.skipif(ACC is None, reason="no accelerator (CUDA, XPU) visible to torch")
-
-CLASS_FORMATS = [(Linear2Bit, "int2_sym"), (Linear2Bit, "int2"), (LinearTernary, "ternary"),
-                 (Linear1Bit, "binary"), (Linear4Bit, "int4"), (Linear8Bit, "int8")]
-K_IN, M_OUT = 100, 37  # K not a multiple of any block
 
 
 def _close(y, ref, rel):
     scale = ref.float().abs().max().clamp(min=1e-12)
     err = (y.float().cpu() - ref.float().cpu()).abs().max()
     assert err <= rel * scale, f"max error {err.item():.3g} > {rel:g} x {scale.item():.3g}"
-
-
-def _linear(gen, bias=True):
-    lin = torch.nn.Linear(K_IN, M_OUT, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(M_OUT, K_IN, generator=gen) / K_IN ** 0.5)
-        if bias:
-            lin.bias.copy_(torch.randn(M_OUT, generator=gen) * 0.1)
-    return lin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
