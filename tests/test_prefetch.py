@@ -37,6 +37,12 @@ def test_automatic_rule():
                 assert resolve(bits, threads, group) == (8192 if intel or short else 0), (bits, threads, group)
 
 
+@pytest.mark.parametrize("threads,group", [(0, 64), (True, 64), (1, -1), (1, 64.0), (2 ** 32 + 1, 64)])
+def test_resolve_checks_its_arguments(threads, group):
+    with pytest.raises(ValueError, match="threads|group_code_bytes"):
+        runtime.resolved_prefetch_distance(2, threads, group)
+
+
 def test_fixed_setting_overrides_the_rule():
     runtime.set_prefetch_distance(2, 4096)
     assert runtime.prefetch_distance(2) == 4096
@@ -72,11 +78,11 @@ def test_results_do_not_depend_on_distance(gen, fmt, isa):
 
 
 def test_set_and_context():
-    before = runtime.prefetch_distance(2)
+    before = {b: runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS}
     with runtime.use_prefetch_distance(2, 4096):
         assert runtime.prefetch_distance(2) == 4096
-        assert runtime.prefetch_distance(4) == runtime.prefetch_distance(8)  # one width at a time
-    assert runtime.prefetch_distance(2) == before
+        assert {b: runtime.prefetch_distance(b) for b in (1, 4, 8)} == {b: before[b] for b in (1, 4, 8)}
+    assert runtime.prefetch_distance(2) == before[2]
     runtime.set_prefetch_distance(8, 0)
     assert runtime.prefetch_distance(8) == 0
 
@@ -90,6 +96,7 @@ def test_set_and_context():
     (2, 64.0, "multiple of 64"),
     (2, "none", "multiple of 64"),
     (2, None, "multiple of 64"),
+    (2, False, "multiple of 64"),
 ])
 def test_bad_settings_rejected(bits, nbytes, match):
     before = {b: runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS}
@@ -117,7 +124,12 @@ def test_environment_sets_distance_at_load():
     assert got == defaults and "RuntimeWarning" not in err
 
 
-@pytest.mark.parametrize("value", ["4000", "abc", "-64", "-1", "2097152", "Auto"])
+def test_environment_value_read_as_the_kernels_read_it():
+    got, err = _distances_at_load({"ULB_PREFETCH_2BIT": "08192", "ULB_PREFETCH_4BIT": "+4096"})
+    assert got[1:3] == [8192, 4096] and "RuntimeWarning" not in err
+
+
+@pytest.mark.parametrize("value", ["4000", "abc", "-64", "-1", "2097152", "Auto", "8_192"])
 def test_bad_environment_value_is_ignored_with_a_warning(value):
     defaults, _ = _distances_at_load({})
     got, err = _distances_at_load({"ULB_PREFETCH_4BIT": value})

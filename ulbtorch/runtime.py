@@ -46,7 +46,9 @@ _lib.ulb_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, c
 
 def read_probe(buffer, threads: int | None = None) -> int:
     """Stream-read a contiguous CPU tensor through the kernels' thread pool
-    and work split (the GEMV's memory roofline); returns a checksum."""
+    and work split (the GEMV's memory roofline); returns a checksum. It
+    prefetches like the 2-bit kernel on long groups, so set_prefetch_distance(2,
+    ...) moves it too."""
     import torch
 
     if not (isinstance(buffer, torch.Tensor) and buffer.is_cpu and buffer.is_contiguous()):
@@ -147,6 +149,10 @@ _PREFETCH_MAX = 1 << 20
 _PREFETCH_AUTO = -1
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_width(bits):
     if bits not in PREFETCH_WIDTHS:
         raise ValueError(f"no prefetch setting for bits={bits}; widths are {PREFETCH_WIDTHS}")
@@ -171,7 +177,11 @@ def resolved_prefetch_distance(bits: int, threads: int, group_code_bytes: int) -
     """The distance a call would use: `threads` threads, `group_code_bytes`
     bytes of codes per group of a 64-row panel (64 x group length x bits / 8)."""
     _check_width(bits)
-    return _lib.ulb_prefetch_resolve(bits, threads, group_code_bytes)
+    if not (_is_int(threads) and 1 <= threads <= 1 << 16):
+        raise ValueError(f"threads must be an int from 1 to 65536, got {threads!r}")
+    if not (_is_int(group_code_bytes) and group_code_bytes >= 0):
+        raise ValueError(f"group_code_bytes must be a non-negative int, got {group_code_bytes!r}")
+    return _lib.ulb_prefetch_resolve(bits, threads, min(group_code_bytes, (1 << 63) - 1))
 
 
 def set_prefetch_distance(bits: int, nbytes) -> None:
@@ -181,7 +191,7 @@ def set_prefetch_distance(bits: int, nbytes) -> None:
     _check_width(bits)
     if nbytes == "auto":
         nbytes = _PREFETCH_AUTO
-    elif not (isinstance(nbytes, int) and 0 <= nbytes <= _PREFETCH_MAX and nbytes % 64 == 0):
+    elif not (_is_int(nbytes) and 0 <= nbytes <= _PREFETCH_MAX and nbytes % 64 == 0):
         raise ValueError(f"prefetch distance must be 'auto' or a multiple of 64 bytes from 0 to {_PREFETCH_MAX}, "
                          f"got {nbytes!r}")
     if _lib.ulb_prefetch_set(bits, nbytes) != 0:
@@ -196,7 +206,13 @@ def use_prefetch_distance(bits: int, nbytes):
 def _check_prefetch_env() -> None:
     for bits in PREFETCH_WIDTHS:
         want = os.environ.get(f"ULB_PREFETCH_{bits}BIT")
-        if want is not None and want.strip() and want.strip() != str(prefetch_distance(bits)):
+        if not want:
+            continue
+        try:
+            parsed = "auto" if want == "auto" else int(want, 10)
+        except ValueError:
+            parsed = None
+        if parsed != prefetch_distance(bits):
             warnings.warn(f"ULB_PREFETCH_{bits}BIT={want!r} ignored: not 'auto' or a multiple of 64 bytes from 0 "
                           f"to {_PREFETCH_MAX}; the {bits}-bit kernels use {prefetch_distance(bits)!r}",
                           RuntimeWarning, stacklevel=2)

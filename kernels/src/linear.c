@@ -125,6 +125,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     const ulb_isa isa = ulb_isa_active();
     const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
     if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
+    if (nthreads > ulb_weight_npanels(&w)) nthreads = (int)ulb_weight_npanels(&w); /* as ulb_parallel will */
     const int lut = use_lut1(&w, N, nthreads, isa);
     quantized_acts q;
     st = acts_quantize(&w, lut, nthreads, N, x, x_dt, ldx, incx, &q);
@@ -151,7 +152,8 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     if (!pd) return ULB_ERR_NOMEM;
     uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
     if (lut) ulb_lut1_build_avx512(xq, w.ksteps, lut1);
-    const ulb_acts acts = {xq, w.K_pad, xsum, lut1, ulb_weight_panels_end(&w, ulb_weight_npanels(&w))};
+    const ulb_acts acts = {xq, w.K_pad, xsum, lut1, ulb_weight_panels_end(&w, ulb_weight_npanels(&w)),
+                           ulb_prefetch_resolve(w.bits, 1, ulb_weight_group_code_bytes(&w))};
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;

@@ -72,6 +72,7 @@ ulb_status ulb_prefetch_get(int bits, int64_t *bytes) {
     pthread_once(&once, prefetch_init);
     const int i = width_index(bits);
     if (i < 0) return ULB_ERR_FORMAT;
+    if (!bytes) return ULB_ERR_SHAPE;
     *bytes = atomic_load(&setting[i]);
     return ULB_OK;
 }

@@ -99,7 +99,9 @@ ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, 
 
 /* prefetch (a constant): whether to prefetch at all. Without it the prefetch
  * code is compiled out: a distance of 0 read at run time, with its test in the
- * tile loop, ran the 2-bit one-token loop 6-13% slower on Zen 4. */
+ * tile loop, ran the 2-bit one-token loop 6-13% slower on Zen 4. (The 1-bit
+ * lookup kernel, which always prefetches unless told not to, takes the
+ * distance as is.) */
 ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts *a, int64_t n0,
                               float *facc, int32_t *dots, const int nb, const int nt,
                               const int bits, const int prefetch) {

@@ -128,7 +128,8 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
 
 /* Reads nbytes (8-byte aligned) with nthreads through the GEMV's thread pool
  * and work split: the memory roofline for benchmarks, measured in the same
- * run as the kernels. */
+ * run as the kernels. It prefetches at the 2-bit setting resolved for long
+ * groups (see ulb_prefetch_set; 8 KiB on Intel, none on AMD by default). */
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum);
 
 /* One token through a plain bf16 weight w (M x K, row stride ldw >= K) and
@@ -167,9 +168,10 @@ int ulb_lut1_available(ulb_isa isa); /* whether this CPU can run it under `isa` 
  * its measurements). A speed setting only: results are the same bits
  * whatever it is. Env ULB_PREFETCH_1BIT, _2BIT, _4BIT, _8BIT (bytes or
  * "auto") set it at load. ulb_prefetch_set returns ULB_ERR_SHAPE for another
- * value and both return ULB_ERR_FORMAT for another width.
- * ulb_prefetch_resolve gives the distance a call would use: nthreads threads,
- * group_code_bytes of codes in one group of one 64-row panel. */
+ * value, ulb_prefetch_get for a NULL bytes, and both ULB_ERR_FORMAT for
+ * another width. ulb_prefetch_resolve gives the distance a call would use:
+ * nthreads threads, group_code_bytes of codes in one group of one 64-row
+ * panel; 0 for another width. */
 #define ULB_PREFETCH_AUTO (-1)
 ulb_status ulb_prefetch_get(int bits, int64_t *bytes);
 ulb_status ulb_prefetch_set(int bits, int64_t bytes);
