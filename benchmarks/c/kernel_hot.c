@@ -38,8 +38,7 @@ int main(int argc, char **argv) {
             const int luts = fmt == ULB_FMT_BINARY && ulb_lut1_available(isa) ? 2 : 1;
             for (int lut = 0; lut < luts; lut++)
                 for (int nb = 1; nb <= (lut ? 1 : ULB_NB_MAX); nb *= 4) {
-                    const ulb_acts a = {xq, w.K_pad, xsum, lut ? lut1 : NULL, ulb_weight_panels_end(&w, ulb_weight_npanels(&w)),
-                                         ulb_prefetch_resolve(w.bits, 1, ulb_weight_group_code_bytes(&w))};
+                    const ulb_acts a = ulb_acts_of(&w, xq, xsum, lut ? lut1 : NULL, 1);
                     double best = 1e30;
                     for (int rep = 0; rep < 200; rep++) {
                         const double t0 = now_ns();

@@ -64,6 +64,15 @@ typedef struct {
     int64_t prefetch_dist;       /* ulb_prefetch_resolve for this call */
 } ulb_acts;
 
+/* The activations of a call on w that nthreads threads run: the prefetch
+ * bound of the whole blob (each thread narrows it to its panels) and the
+ * call's prefetch distance. */
+static inline ulb_acts ulb_acts_of(const ulb_weight *w, const int8_t *xq, const int32_t *xsum,
+                                   const uint8_t *lut1, int nthreads) {
+    return (ulb_acts){xq, w->K_pad, xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w)),
+                      ulb_prefetch_resolve(w->bits, nthreads, ulb_weight_group_code_bytes(w))};
+}
+
 /* The microkernel contract, identical for every ISA:
  * for rows r of tiles [tile0, tile0 + ntiles) (ntiles <= 4) and columns
  * j < nb (nb <= ULB_NB_MAX) of activations starting at column n0,

@@ -60,8 +60,7 @@ static ulb_status acts_quantize(const ulb_weight *w, int lut, int nthreads, int6
         lut1 = (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes;
         ulb_lut1_build_avx512(q->xq, w->ksteps, lut1);
     }
-    q->acts = (ulb_acts){q->xq, w->K_pad, q->xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w)),
-                        ulb_prefetch_resolve(w->bits, nthreads, ulb_weight_group_code_bytes(w))};
+    q->acts = ulb_acts_of(w, q->xq, q->xsum, lut1, nthreads);
     return ULB_OK;
 }
 
@@ -152,8 +151,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     if (!pd) return ULB_ERR_NOMEM;
     uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
     if (lut) ulb_lut1_build_avx512(xq, w.ksteps, lut1);
-    const ulb_acts acts = {xq, w.K_pad, xsum, lut1, ulb_weight_panels_end(&w, ulb_weight_npanels(&w)),
-                           ulb_prefetch_resolve(w.bits, 1, ulb_weight_group_code_bytes(&w))};
+    const ulb_acts acts = ulb_acts_of(&w, xq, xsum, lut1, 1);
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;
