@@ -126,6 +126,23 @@ static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const i
     return 0;
 }
 
+enum { BENCH_PROBE, BENCH_GEMV };
+
+/* One pass over blobs[0..n) of `what`: ulb_read_probe, or the one-token fp32
+ * GEMV y = W x of shape a->M x a->K; both on a->threads threads. Nonzero if
+ * a GEMV fails. */
+static inline int bench_pass(int what, uint8_t *const *blobs, int n, int64_t nbytes, const bench_shape *a,
+                             const float *x, float *y) {
+    for (int i = 0; i < n; i++) {
+        uint64_t checksum;
+        if (what == BENCH_PROBE) ulb_read_probe(blobs[i], nbytes, a->threads, &checksum);
+        else if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, a->K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, a->M,
+                            a->threads))
+            return 1;
+    }
+    return 0;
+}
+
 /* The rotation of a tool that links one build (gemv_cold, read_widths): the
  * format and shape of `a` checked, then its ulb_pack'ed copies. NULL, with a
  * message, on failure. */

@@ -21,13 +21,10 @@ int main(int argc, char **argv) {
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     double t_gemv = 0, t_read = 0;
     for (int r = 0; r <= rounds; r++) { /* round 0 warms up */
-        uint64_t checksum;
         const double t0 = bench_now_s();
-        for (int i = 0; i < n; i++) ulb_read_probe(blobs[i], nbytes, threads, &checksum);
+        bench_pass(BENCH_PROBE, blobs, n, nbytes, &a, x, y);
         const double t1 = bench_now_s();
-        for (int i = 0; i < n; i++)
-            if (ulb_linear(blobs[i], nbytes, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, threads))
-                return 2;
+        if (bench_pass(BENCH_GEMV, blobs, n, nbytes, &a, x, y)) return 2;
         const double t2 = bench_now_s();
         if (r) t_read += t1 - t0, t_gemv += t2 - t1;
     }

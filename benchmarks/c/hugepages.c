@@ -24,15 +24,7 @@ typedef struct {
 /* Even candidates read the probe, odd ones run the GEMV; c / 2 picks the rotation. */
 static int hugepages_run(void *ctx, int c) {
     const hugepages_job *j = ctx;
-    const int h = c / 2;
-    for (int i = 0; i < j->n[h]; i++) {
-        uint64_t checksum;
-        if (c % 2 == 0) ulb_read_probe(j->rot[h][i], j->nbytes, j->a.threads, &checksum);
-        else if (ulb_linear(j->rot[h][i], j->nbytes, 1, j->x, ULB_DT_F32, j->a.K, 1, NULL, ULB_DT_F32, j->y,
-                            ULB_DT_F32, j->a.M, j->a.threads))
-            return 1;
-    }
-    return 0;
+    return bench_pass(c % 2 ? BENCH_GEMV : BENCH_PROBE, j->rot[c / 2], j->n[c / 2], j->nbytes, &j->a, j->x, j->y);
 }
 
 int main(int argc, char **argv) {

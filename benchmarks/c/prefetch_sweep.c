@@ -30,14 +30,7 @@ static int sweep_run(void *ctx, int c) {
     const sweep_job *j = ctx;
     const int probe = c % 2, i = c / 2;
     if (ulb_prefetch_set(probe ? 2 : j->bits, probe ? j->probe_dist[i] : j->dist[i]) != ULB_OK) return 1;
-    for (int k = 0; k < j->n; k++) {
-        uint64_t checksum;
-        if (probe) ulb_read_probe(j->blobs[k], j->nbytes, j->a.threads, &checksum);
-        else if (ulb_linear(j->blobs[k], j->nbytes, 1, j->x, ULB_DT_F32, j->a.K, 1, NULL, ULB_DT_F32, j->y,
-                            ULB_DT_F32, j->a.M, j->a.threads))
-            return 1;
-    }
-    return 0;
+    return bench_pass(probe ? BENCH_PROBE : BENCH_GEMV, j->blobs, j->n, j->nbytes, &j->a, j->x, j->y);
 }
 
 int main(int argc, char **argv) {

@@ -84,28 +84,16 @@ typedef struct {
     uint8_t **blobs;
     int n;
     int64_t nbytes;
-    int threads;
     const float *x;
     float *y;
-    int64_t M, K;
+    bench_shape a;
 } widths_job;
 
 static int widths_run(void *ctx, int c) {
     const widths_job *j = ctx;
-    for (int i = 0; i < j->n; i++) {
-        uint64_t checksum;
-        switch (c) {
-        case PROBE: ulb_read_probe(j->blobs[i], j->nbytes, j->threads, &checksum); break;
-        case R16:
-        case R32:
-        case R64:
-        case R64T: read_parallel(c, j->blobs[i], j->nbytes, j->threads); break;
-        default:
-            if (ulb_linear(j->blobs[i], j->nbytes, 1, j->x, ULB_DT_F32, j->K, 1, NULL, ULB_DT_F32, j->y, ULB_DT_F32,
-                           j->M, j->threads))
-                return 1;
-        }
-    }
+    if (c == PROBE || c == GEMV)
+        return bench_pass(c == GEMV ? BENCH_GEMV : BENCH_PROBE, j->blobs, j->n, j->nbytes, &j->a, j->x, j->y);
+    for (int i = 0; i < j->n; i++) read_parallel(c, j->blobs[i], j->nbytes, j->a.threads);
     return 0;
 }
 
@@ -124,7 +112,7 @@ int main(int argc, char **argv) {
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};
-    widths_job job = {blobs, n, nbytes, threads, x, y, M, K};
+    widths_job job = {blobs, n, nbytes, x, y, a};
     static bench_times t[NCAND];
     if (bench_interleave(NCAND, rounds, runs, widths_run, &job, t)) return 2;
     printf("%s M=%ld K=%ld, %d thread(s), isa=%s, %d rounds of %d blobs of %.2f MiB\n", fi->name,
