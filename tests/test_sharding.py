@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ulbtorch
-from ulbtorch.integrations.sharding import ShardAssembler
+from ulbtorch.integrations.sharding import ShardAssembler, VocabShardAssembler
 
 
 def blob(M, K, fmt="int2_sym", gs=0, seed=0):
@@ -61,3 +61,42 @@ def test_bad_shards_name_the_layer():
     a.load(blob(80, 64), 0)
     with pytest.raises(ValueError, match="gate_up_proj: no checkpoint weight for shard\\(s\\) \\[1\\]"):
         a.pack()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("fmt,gs", [("int4", 32), ("int8", 0)])
+def test_vocab_parallel_lm_head(tp, fmt, gs):
+    """vLLM's ParallelLMHead pads the vocabulary to a multiple of 64 and gives
+    each rank an equal share of the padded rows; the real rows come first."""
+    V, K = 200, 64
+    full = blob(V, K, fmt, gs)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(2))
+    padded = -(-V // 64) * 64
+    rows = padded // tp
+    xq = ulbtorch.ops.fake_quantize_activations(x)  # what the kernel multiplies by
+    logits = []
+    for rank in range(tp):
+        start, end = min(rank * rows, V), min((rank + 1) * rows, V)
+        a = VocabShardAssembler("lm_head", rows, K, fmt, gs, V, start, end)
+        a.load(full)
+        w = dequant(a.pack())
+        assert torch.equal(w[:end - start], dequant(full)[start:end])
+        assert torch.count_nonzero(w[end - start:]) == 0  # padding rows: logits 0
+        y = torch.ops.ulb.linear(x, a.pack(), None, rows)
+        ref = torch.nn.functional.linear(xq, w)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        logits.append(y)
+    want = torch.nn.functional.linear(xq, dequant(full))
+    got = torch.cat(logits, dim=-1)
+    assert got.shape == (2, padded)
+    torch.testing.assert_close(got[:, :V], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_vocab_shards_refuse_a_wrong_vocabulary():
+    with pytest.raises(ValueError, match="lm_head: vocabulary rows \\[0, 100\\) of 100 do not fit a partition of 64"):
+        VocabShardAssembler("lm_head", 64, 32, "int8", 0, 100, 0, 100)
+    a = VocabShardAssembler("lm_head", 128, 32, "int8", 0, 100, 0, 100)
+    with pytest.raises(ValueError, match="lm_head: checkpoint weight is \\(96, 32\\), expected \\(100, 32\\)"):
+        a.load(blob(96, 32, "int8"))
+    with pytest.raises(ValueError, match="lm_head: checkpoint blob is int4"):
+        a.load(blob(100, 32, "int4"))

@@ -34,13 +34,17 @@ class ShardAssembler:
         self.scales = torch.zeros(M, n_groups(group_size, in_size), dtype=torch.float32)
         self.loaded = [False] * len(self.out_sizes)
 
-    def load(self, blob: torch.Tensor, shard: int = 0) -> None:
-        """Take logical weight number `shard` from its full checkpoint blob."""
+    def unpack_checked(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of a checkpoint blob in the format the config names."""
         info = ops.packed_info(blob)
         if info["format"] != self.fmt or info["group_size"] != self.group_size:
             raise ValueError(f"{self.name}: checkpoint blob is {info['format']} with group_size "
                              f"{info['group_size']}, the config says {self.fmt} / {self.group_size}")
-        codes, scales = ops.unpack(blob)
+        return ops.unpack(blob)
+
+    def load(self, blob: torch.Tensor, shard: int = 0) -> None:
+        """Take logical weight number `shard` from its full checkpoint blob."""
+        codes, scales = self.unpack_checked(blob)
         rows = self.out_sizes[shard]
         if self.row_parallel:
             if codes.shape != (rows, self.in_features):
@@ -67,3 +71,29 @@ class ShardAssembler:
         if missing:
             raise ValueError(f"{self.name}: no checkpoint weight for shard(s) {missing}")
         return ops.pack(self.codes, self.scales, self.fmt, self.group_size)
+
+
+class VocabShardAssembler(ShardAssembler):
+    """A vocab-parallel output layer (a server's lm_head): this rank owns
+    `rows` rows, the padded share of the vocabulary, of which the first
+    vocab_end - vocab_start are checkpoint rows [vocab_start, vocab_end). The
+    rest are padding: code 0 with scale 0, so their logits are 0 and the
+    server drops them."""
+
+    def __init__(self, name: str, rows: int, in_features: int, fmt: str, group_size: int, vocab_size: int,
+                 vocab_start: int, vocab_end: int):
+        if not 0 <= vocab_start <= vocab_end <= vocab_size or vocab_end - vocab_start > rows:
+            raise ValueError(f"{name}: vocabulary rows [{vocab_start}, {vocab_end}) of {vocab_size} do not fit "
+                             f"a partition of {rows} rows")
+        super().__init__(name, [rows], in_features, in_features, fmt, group_size, 0, 1)
+        self.vocab_size, self.vocab_start, self.vocab_end = vocab_size, vocab_start, vocab_end
+
+    def load(self, blob: torch.Tensor, shard: int = 0) -> None:
+        codes, scales = self.unpack_checked(blob)
+        if codes.shape != (self.vocab_size, self.in_features):
+            raise ValueError(f"{self.name}: checkpoint weight is {tuple(codes.shape)}, expected "
+                             f"({self.vocab_size}, {self.in_features}) for a vocabulary of {self.vocab_size}")
+        n = self.vocab_end - self.vocab_start
+        self.codes[:n] = codes[self.vocab_start:self.vocab_end]
+        self.scales[:n] = scales[self.vocab_start:self.vocab_end]
+        self.loaded[0] = True

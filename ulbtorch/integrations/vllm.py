@@ -4,7 +4,9 @@ Loaded by vLLM through the `vllm.general_plugins` entry point (see
 pyproject.toml). Serves checkpoints written by transformers' save_pretrained
 with UlbConfig: each linear's packed blob arrives whole, a ShardAssembler
 keeps this rank's slice (column- or row-parallel, merged QKV and gate/up),
-and the merged matrix is packed once after loading.
+and the merged matrix is packed once after loading. A checkpoint saved with
+lm_head_bits serves its lm_head (vLLM's ParallelLMHead) the same way, its
+vocabulary split over ranks as vLLM splits it (VocabShardAssembler).
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ..quantize import QuantConfig
-from .sharding import ShardAssembler
+from .sharding import ShardAssembler, VocabShardAssembler
 
 QUANT_METHOD = "ulb"
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -30,6 +33,7 @@ class UlbVllmConfig(QuantizationConfig):
     def __init__(self, quant: QuantConfig, modules_to_not_convert: list[str]):
         super().__init__()
         self.quant = quant
+        self.head = quant.head_config()  # the lm_head's QuantConfig (lm_head_bits), or None
         self.modules_to_not_convert = modules_to_not_convert
 
     def get_name(self) -> str:
@@ -48,17 +52,16 @@ class UlbVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
-        if config.get("lm_head_bits") is not None:
-            raise ValueError("ulb: this checkpoint has a quantized lm_head (lm_head_bits="
-                             f"{config['lm_head_bits']!r}), which the vLLM plugin does not serve; "
-                             "save it with lm_head_bits=None")
         skip = list(config.get("modules_to_not_convert") or ["lm_head", "*.lm_head"])
         quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
                             group_size=config.get("group_size", 0), granularity=config.get("granularity"),
-                            method=config.get("method"), exclude=skip)
+                            method=config.get("method"), exclude=skip, lm_head_bits=config.get("lm_head_bits"),
+                            lm_head_group_size=config.get("lm_head_group_size") or 0)
         return cls(quant, skip)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
+        if isinstance(layer, ParallelLMHead):
+            return None if self.head is None else UlbLinearMethod(self.head)
         if not isinstance(layer, LinearBase):
             return None
         if any(fnmatch.fnmatchcase(prefix, p) for p in self.modules_to_not_convert):
@@ -73,10 +76,19 @@ class UlbLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         group_size = self.quant.layer_args(input_size)["group_size"]
-        layer.ulb_assembler = ShardAssembler(
-            getattr(layer, "prefix", type(layer).__name__), output_partition_sizes, input_size_per_partition,
-            input_size, self.quant.format, group_size, get_tensor_model_parallel_rank(),
-            get_tensor_model_parallel_world_size())
+        name = getattr(layer, "prefix", type(layer).__name__)
+        if isinstance(layer, ParallelLMHead):
+            if layer.num_added_embeddings:
+                raise ValueError(f"ulb: {name} has {layer.num_added_embeddings} added (LoRA) vocabulary rows, "
+                                 "which a quantized lm_head checkpoint does not hold")
+            shard = layer.shard_indices
+            layer.ulb_assembler = VocabShardAssembler(
+                name, layer.num_embeddings_per_partition, input_size, self.quant.format, group_size,
+                layer.org_vocab_size, shard.org_vocab_start_index, shard.org_vocab_end_index)
+        else:
+            layer.ulb_assembler = ShardAssembler(
+                name, output_partition_sizes, input_size_per_partition, input_size, self.quant.format,
+                group_size, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
         layer.ulb_out_features = sum(output_partition_sizes)
         packed = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         packed.weight_loader = self._weight_loader(layer)
@@ -92,6 +104,11 @@ class UlbLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         layer.packed = nn.Parameter(layer.ulb_assembler.pack(), requires_grad=False)
         del layer.ulb_assembler
+
+    def tie_weights(self, layer, embed_tokens):
+        raise ValueError(f"ulb: {getattr(layer, 'prefix', 'lm_head')} is quantized (lm_head_bits) but the model "
+                         "ties it to the input embedding (tie_word_embeddings); ulbtorch does not save such a "
+                         "checkpoint")
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.bfloat16):
