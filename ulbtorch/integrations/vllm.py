@@ -6,7 +6,9 @@ with UlbConfig: each linear's packed blob arrives whole, a ShardAssembler
 keeps this rank's slice (column- or row-parallel, merged QKV and gate/up),
 and the merged matrix is packed once after loading. A checkpoint saved with
 lm_head_bits serves its lm_head (vLLM's ParallelLMHead) the same way, its
-vocabulary split over ranks as vLLM splits it (VocabShardAssembler).
+vocabulary split over ranks as vLLM splits it (VocabShardAssembler). Layers
+left in bf16 keep vLLM's weights, and with the config's bf16_gemv (default)
+their one-token products run ulbtorch's bf16 GEMV, as nn.LinearBF16 does.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
+from ..nn.bf16 import gemv_serves
 from ..quantize import QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
 
@@ -55,18 +58,41 @@ class UlbVllmConfig(QuantizationConfig):
         skip = list(config.get("modules_to_not_convert") or ["lm_head", "*.lm_head"])
         quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
                             group_size=config.get("group_size", 0), granularity=config.get("granularity"),
-                            method=config.get("method"), exclude=skip, lm_head_bits=config.get("lm_head_bits"),
+                            method=config.get("method"), exclude=skip, bf16_gemv=config.get("bf16_gemv", True),
+                            lm_head_bits=config.get("lm_head_bits"),
                             lm_head_group_size=config.get("lm_head_group_size") or 0)
         return cls(quant, skip)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
-            return None if self.head is None else UlbLinearMethod(self.head)
+            if self.head is not None:
+                return UlbLinearMethod(self.head)
+            return UlbBF16HeadMethod() if self.quant.bf16_gemv else None
         if not isinstance(layer, LinearBase):
             return None
         if any(fnmatch.fnmatchcase(prefix, p) for p in self.modules_to_not_convert):
-            return UnquantizedLinearMethod()
+            return UlbBF16LinearMethod() if self.quant.bf16_gemv else UnquantizedLinearMethod()
         return UlbLinearMethod(self.quant)
+
+
+def _bf16_gemv_or(method, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if gemv_serves(x, layer.weight, bias):
+        return torch.ops.ulb.linear_bf16(x, layer.weight, bias)
+    return method(layer, x, bias)
+
+
+class UlbBF16LinearMethod(UnquantizedLinearMethod):
+    """vLLM's bf16 linear layer; one token at a time runs ulbtorch's bf16 GEMV."""
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _bf16_gemv_or(super().apply, layer, x, bias)
+
+
+class UlbBF16HeadMethod(UnquantizedEmbeddingMethod):
+    """vLLM's bf16 lm_head; the logits of one token run ulbtorch's bf16 GEMV."""
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _bf16_gemv_or(super().apply, layer, x, bias)
 
 
 class UlbLinearMethod(LinearMethodBase):
