@@ -88,6 +88,25 @@ def time_hot(fn, reps):
     return common.median_time(fn, reps=reps, warmup=2, inner=common.calls_per_sample(est))
 
 
+def call_cost_excess(fmt, reps):
+    """Seconds a call of our op costs beyond a call of the read probe, apart
+    from streaming and forking: both timed hot on work too small to fork, the
+    op on one 64 x 64 panel, the probe on 8 KiB (one unit). The op pays the
+    torch dispatcher, activation quantisation and an output tensor, the probe
+    a ctypes call. A kernel that streamed as fast as the probe would still
+    take this much longer per call, so t_stream / (t_stream + excess) bounds
+    the "% stream" that the op can reach on a shape."""
+    gen = torch.Generator().manual_seed(1)
+    codes, scales = random_codes_scales(64, 64, fmt, 0, gen)
+    blob = ulbtorch.ops.pack(codes, scales, fmt, 0)
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    buf = torch.zeros(8 * 1024, dtype=torch.uint8)
+    op = torch.ops.ulb.linear.default
+    t_op = time_hot(lambda: op(x, blob, None, 64), reps)
+    t_probe = time_hot(lambda: ulbtorch.runtime.read_probe(buf, 1), reps)
+    return max(0.0, t_op - t_probe)
+
+
 def check_pool_threads(fmt, nt):
     bits = get_format(fmt).bits
     try:
@@ -159,6 +178,7 @@ def main(argv=None):
         bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
                                            verbose=True)
     gen = torch.Generator().manual_seed(0)
+    excess_cache = {}
     prev_threads = torch.get_num_threads()
 
     cols = [("model", "model", None), ("shape", "M x K", None), ("threads", "thr", None),
@@ -166,6 +186,7 @@ def main(argv=None):
             ("us", "us ours", ".1f"), ("us_bf16", "us bf16", ".1f"),
             ("gbps", "GB/s ours", ".1f"), ("pct_bw", "% read BW", ".0f"),
             ("gbps_stream", "GB/s stream", ".1f"), ("pct_stream", "% stream", ".0f"),
+            ("pct_ceiling", "call ceiling %", ".0f"),
             ("gbps_bf16", "GB/s bf16", ".1f"), ("speedup", "x vs bf16", ".2f")]
     if args.hot:
         cols += [("us_hot", "us hot", ".1f"), ("us_bf16_hot", "us bf16 hot", ".1f"),
@@ -208,6 +229,9 @@ def main(argv=None):
                         t_bf16, t_ours, t_stream = times[0], times[1:1 + len(formats)], times[1 + len(formats):]
                         s_ours, s_stream = samples[1:1 + len(formats)], samples[1 + len(formats):]
                         bf16_us = 1e6 * t_bf16
+                        if not args.module:
+                            excess = {f: excess_cache[f] if f in excess_cache else
+                                      excess_cache.setdefault(f, call_cost_excess(f, args.reps)) for f in formats}
                         if args.hot:
                             w0 = wb[0]
                             bf16_hot_us = 1e6 * time_hot(lambda: F.linear(xb, w0), args.reps)
@@ -224,6 +248,7 @@ def main(argv=None):
                                        pct_bw=100 * gbps / bw[nt]["gbps"], read_bw=bw[nt]["gbps"],
                                        gbps_stream=rot.blob_bytes / ts / 1e9,
                                        pct_stream=100 * common.median_ratio(ss, so),
+                                       pct_ceiling=None if args.module else 100 * ts / (ts + excess[fmt]),
                                        gbps_bf16=M * K * 2 / (bf16_us * 1e-6) / 1e9,
                                        speedup=bf16_us / us, mode="module" if args.module else "op")
                             if args.hot:
@@ -281,6 +306,10 @@ def main(argv=None):
                         f"{statistics.median(r['pct_stream'] for r in rs):.0f}% of a stream read of the same blobs "
                         f"(bf16 median {statistics.median(100 * r['gbps_bf16'] / r['read_bw'] for r in rs):.0f}%), "
                         f"{len(rs)} shapes")
+                if not args.module:
+                    low = min(rs, key=lambda r: r["pct_ceiling"])
+                    line += (f"; the op's call cost allows at most {low['pct_ceiling']:.0f}% of stream "
+                             f"on {low['model']} {low['shape']}")
                 if args.hot:
                     line += f"; hot geomean {common.geomean(r['speedup_hot'] for r in rs):.2f}x"
                 print(line)
