@@ -6,9 +6,11 @@ with UlbConfig: each linear's packed blob arrives whole, a ShardAssembler
 keeps this rank's slice (column- or row-parallel, merged QKV and gate/up),
 and the merged matrix is packed once after loading. A checkpoint saved with
 lm_head_bits serves its lm_head (vLLM's ParallelLMHead) the same way, its
-vocabulary split over ranks as vLLM splits it (VocabShardAssembler). Layers
-left in bf16 keep vLLM's weights, and with the config's bf16_gemv (default)
-their one-token products run ulbtorch's bf16 GEMV, as nn.LinearBF16 does.
+vocabulary split over ranks as vLLM splits it (VocabShardAssembler). A bf16
+lm_head keeps vLLM's weights and, with the config's bf16_gemv (default), the
+logits of one token run ulbtorch's bf16 GEMV, as nn.LinearBF16 does. Other
+layers left in bf16 stay vLLM's own: on CPU it repacks their weights for
+oneDNN and frees the originals, which the GEMV would need.
 """
 from __future__ import annotations
 
@@ -71,28 +73,18 @@ class UlbVllmConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         if any(fnmatch.fnmatchcase(prefix, p) for p in self.modules_to_not_convert):
-            return UlbBF16LinearMethod() if self.quant.bf16_gemv else UnquantizedLinearMethod()
+            return UnquantizedLinearMethod()
         return UlbLinearMethod(self.quant)
 
 
-def _bf16_gemv_or(method, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if gemv_serves(x, layer.weight, bias):
-        return torch.ops.ulb.linear_bf16(x, layer.weight, bias)
-    return method(layer, x, bias)
-
-
-class UlbBF16LinearMethod(UnquantizedLinearMethod):
-    """vLLM's bf16 linear layer; one token at a time runs ulbtorch's bf16 GEMV."""
-
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _bf16_gemv_or(super().apply, layer, x, bias)
-
-
 class UlbBF16HeadMethod(UnquantizedEmbeddingMethod):
-    """vLLM's bf16 lm_head; the logits of one token run ulbtorch's bf16 GEMV."""
+    """vLLM's bf16 lm_head (whose weight it keeps); the logits of one token
+    run ulbtorch's bf16 GEMV, batches vLLM's own matmul."""
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _bf16_gemv_or(super().apply, layer, x, bias)
+        if gemv_serves(x, layer.weight, bias):
+            return torch.ops.ulb.linear_bf16(x, layer.weight, bias)
+        return super().apply(layer, x, bias)
 
 
 class UlbLinearMethod(LinearMethodBase):
