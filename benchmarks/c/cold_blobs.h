@@ -44,8 +44,10 @@ typedef int (*bench_run_fn)(void *ctx, int c);
 
 /* Runs candidates c < ncand (those with enabled[c], or all when enabled is
  * NULL) in turn, rounds + 1 times, each round starting one candidate later
- * so that none always follows the same neighbour and drifting DRAM speed
- * weighs on all alike: t[c][r] = seconds of run(ctx, c) in round r. Returns
+ * so that none is always first and drifting DRAM speed weighs on all alike
+ * (each still follows the same neighbour within a round; shuffling the
+ * order changed nothing measurable): t[c][r] = seconds of run(ctx, c) in
+ * round r. Returns
  * the first failure of run, or 0. */
 static inline int bench_interleave(int ncand, int rounds, const int *enabled, bench_run_fn run, void *ctx,
                                    bench_times *t) {
