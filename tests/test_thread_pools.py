@@ -12,23 +12,35 @@ from ulbtorch import runtime
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
 @pytest.mark.parametrize("fmt", ["int2_sym", "binary"])
-def test_pools_agree_and_record_both_threads(fmt):
+@pytest.mark.parametrize("N", [1, 3])
+def test_pools_agree_and_record_both_threads(fmt, N):
+    """The activations are quantised inside the parallel region by whichever
+    thread gets there first while the others wait (linear.c): every pool and
+    thread count must give the one-thread result, NaN rows included."""
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 2 if fmt == "binary" else 4, (2048, 1024), dtype=torch.uint8, generator=g)
     packed = ulbtorch.ops.pack(codes, torch.rand(2048, 1, generator=g), fmt)
-    x = torch.randn(3, 1024, generator=g)
+    # Several inputs in turn: a thread that read the activations before they
+    # were ready would find the previous call's in the reused scratch.
+    xs = [torch.randn(N, 1024, generator=g) * (i + 1) for i in range(6)]
+    if N > 1:
+        xs[2][1, 7] = float("nan")
     prev = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        out = {}
+        torch.set_num_threads(1)
+        one = [torch.ops.ulb.linear(x, packed, None, 2048) for x in xs]
+        torch.set_num_threads(2)
         for pool in ("ulb", "torch"):
             runtime.set_thread_pool(pool)
             runtime.scheduler_reset()
-            out[pool] = torch.ops.ulb.linear(x, packed, None, 2048)
+            for x, ref in zip(xs, one):
+                out = torch.ops.ulb.linear(x, packed, None, 2048)
+                assert torch.allclose(out, ref, rtol=0, atol=0, equal_nan=True)
             stats = runtime.scheduler_stats(1 if fmt == "binary" else 2)
-            assert stats["nthreads"] == 2 and stats["calls"] == 1
+            assert stats["nthreads"] == 2 and stats["calls"] == len(xs)
             assert sum(stats["last_panels"]) == 2048 // 64 and min(stats["last_panels"]) > 0
-        assert torch.equal(out["ulb"], out["torch"])
+        if N > 1:
+            assert torch.isnan(one[2][1]).all() and not torch.isnan(one[2][0]).any()
     finally:
         runtime.set_thread_pool("torch")
         torch.set_num_threads(prev)

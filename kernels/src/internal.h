@@ -9,6 +9,14 @@
  * them is what turns those into unrolled, register-resident loops. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* The pause of a spin-wait loop. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ulb_cpu_relax() _mm_pause()
+#else
+#define ulb_cpu_relax() ((void)0)
+#endif
+
 /* Columns (tokens) one microkernel call handles: weights unpacked once serve
  * this many activation vectors. */
 #define ULB_NB_MAX 4

@@ -19,12 +19,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define cpu_relax() _mm_pause()
-#else
-#define cpu_relax() ((void)0)
-#endif
 
 #include "sched.h"
 
@@ -84,7 +78,7 @@ static void run_share(int tid) {
     const double slow = ulb_sched_slowdown(tid);
     if (slow > 1.0) {
         const double until = t0 + (now_us() - t0) * slow;
-        while (now_us() < until) cpu_relax();
+        while (now_us() < until) ulb_cpu_relax();
     }
     pool.us[tid] = now_us() - pool.published_us;
 }
@@ -104,7 +98,7 @@ static void *worker_main(void *arg) {
         double spin_start = now_us();
         int spins = 0;
         while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
-            cpu_relax();
+            ulb_cpu_relax();
             if (++spins % 256) continue;
             if (now_us() - spin_start < pool.spin_us) continue;
             atomic_fetch_add(&pool.sleepers, 1);
@@ -179,7 +173,7 @@ ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn
         atomic_store(&pool.gen, ((prev & ~JOB_THREADS_MASK) + JOB_COUNTER_STEP) | (uint32_t)nthreads);
         if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
         run_share(0);
-        while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+        while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) ulb_cpu_relax();
     }
     ulb_sched_record(family, nthreads, pool.begin, pool.end, pool.us);
     pthread_mutex_unlock(&pool.lock);
