@@ -6,6 +6,14 @@
   - ulb_read_probe through ctypes with raw pointers (the stream roofline).
 Prints µs per call and each one's % of the probe (median of per-round ratios).
 
+On two threads or more it then splits the op's and the probe's call in two,
+over one more pass of the rotation each, every call timed on its own: the
+time inside the parallel region (the largest per-thread time of the
+scheduler table, ulbtorch.runtime.scheduler_stats, which runs from the job's
+publication to the end of a thread's share) and the rest of the call
+(Python, dispatch, argument checks, allocation, the quantisation of the
+activations before the region if any, the return). Medians.
+
   python benchmarks/op_overhead.py --shapes 640x2560,2048x2048,4096x4096 --threads 1,2
 """
 from __future__ import annotations
@@ -13,7 +21,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -55,8 +65,26 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
                                 reps=reps, samples_out=samples)
     op_pct = 100 * common.median_ratio(samples[2], samples[0])
     c_pct = 100 * common.median_ratio(samples[2], samples[1])
-    return (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:9.1f}  {t[1] * 1e6:11.1f}  {t[2] * 1e6:10.1f}  "
+    line = (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:9.1f}  {t[1] * 1e6:11.1f}  {t[2] * 1e6:10.1f}  "
             f"{op_pct:8.0f}%  {c_pct:10.0f}%")
+    if threads < 2:  # one thread runs no parallel region and records no times
+        return line + "            -            -             -              -"
+    op_in, op_out = split_call(blobs, lambda b: op(x, b, None, M), 2)
+    pr_in, pr_out = split_call(ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum)), 0)
+    return line + f"  {op_in:11.1f}  {pr_in:11.1f}  {op_out:12.1f}  {pr_out:13.1f}"
+
+
+def split_call(items, fn, bits: int) -> tuple[float, float]:
+    """Median µs inside the parallel region and outside it, over one pass."""
+    inside, outside = [], []
+    for item in items:
+        t0 = time.perf_counter()
+        fn(item)
+        wall = (time.perf_counter() - t0) * 1e6
+        region = max(ulbtorch.runtime.scheduler_stats(bits)["last_us"])
+        inside.append(region)
+        outside.append(wall - region)
+    return statistics.median(inside), statistics.median(outside)
 
 
 def main() -> None:
@@ -68,7 +96,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in common.parse_list(args.shapes)]
     threads = common.parse_list(args.threads, int)
     common.print_environment()
-    print("shape       thr  us op  us C (ctypes)  us probe  op/probe  C/probe")
+    print("shape       thr  us op  us C (ctypes)  us probe  op/probe  C/probe  op region  probe region"
+          "  op outside  probe outside")
     for M, K in shapes:
         for n in threads:
             with common.num_threads(n):

@@ -1,6 +1,7 @@
 """The dynamic work split: a thread made slower gets fewer panels; the
 static split keeps equal shares. Every knob is restored afterwards."""
 import os
+import time
 
 import pytest
 import torch
@@ -128,6 +129,20 @@ def test_each_code_width_has_its_own_table(two_threads):
     for _ in range(3):
         torch.ops.ulb.linear(x, blob4, None, 512)
     assert runtime.scheduler_stats(4)["calls"] == 3
-    assert all(runtime.scheduler_stats(bits)["calls"] == 0 for bits in (1, 2, 8, 16))
+    assert all(runtime.scheduler_stats(bits)["calls"] == 0 for bits in (0, 1, 2, 8, 16))
     with pytest.raises(ValueError, match="no scheduler table for bits=3"):
         runtime.scheduler_stats(3)
+
+
+def test_read_probe_has_its_own_table(two_threads):
+    """bits=0 reads the probe's table: its calls, both threads' 64 KiB units
+    and times no longer than the call itself."""
+    buf = torch.zeros(4 << 20, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    runtime.read_probe(buf, 2)
+    wall_us = (time.perf_counter() - t0) * 1e6
+    stats = runtime.scheduler_stats(0)
+    assert stats["calls"] == 1 and stats["nthreads"] == 2
+    assert sum(stats["last_panels"]) == 64 and min(stats["last_panels"]) > 0
+    assert 0 < max(stats["last_us"]) <= wall_us
+    assert runtime.scheduler_stats(2)["calls"] == 0

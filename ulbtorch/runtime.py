@@ -222,9 +222,11 @@ _check_prefetch_env()
 
 
 def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
-    """The work-split table of one kernel family (bits 1, 2, 4, 8, or 16 for the
-    bf16 GEMV): per-thread share of rows,
-    last measured time (us) and last number of 64-row panels."""
+    """The work-split table of one kernel family (bits 1, 2, 4, 8, 16 for the
+    bf16 GEMV, or 0 for read_probe): per-thread share of rows, last measured
+    time (us, from the job's publication to the end of the thread's share, so
+    the largest is the last multi-thread call's time inside its parallel
+    region) and last number of 64-row panels (64 KiB units for the probe)."""
     st = _SchedStats()
     if _lib.ulb_sched_stats_get(bits, ISAS.index(isa or get_isa()), ctypes.byref(st)) != 0:
         raise ValueError(f"no scheduler table for bits={bits}")

@@ -122,9 +122,9 @@ double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
 void ulb_sched_after_fork(void) { pthread_mutex_init(&lock, NULL); }
 
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
-    if (family_base(bits) < 0 || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
+    if ((bits != 0 && family_base(bits) < 0) || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
     pthread_mutex_lock(&lock);
-    const table *t = &tables[ulb_sched_family(bits, isa)];
+    const table *t = &tables[bits == 0 ? ULB_SCHED_PROBE : ulb_sched_family(bits, isa)];
     memset(out, 0, sizeof *out);
     out->nthreads = t->nthreads;
     out->calls = t->calls;

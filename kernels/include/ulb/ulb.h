@@ -199,7 +199,10 @@ typedef struct {
     int64_t last_panels[ULB_MAX_THREADS];
 } ulb_sched_stats;
 
-/* One performance table per kernel family (format bits x ISA; bits 16: ulb_gemv_bf16). */
+/* One performance table per kernel family (format bits x ISA; bits 16: ulb_gemv_bf16;
+ * bits 0: ulb_read_probe, whatever the ISA). A thread's last_us runs from the
+ * job's publication to the end of its share, so the largest of them is the
+ * call's time inside its parallel region (calls on one thread record nothing). */
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out);
 void ulb_sched_reset(void);
 /* 0: dynamic split (seed 002, EMA gain 0.3); 1: static equal split. */
