@@ -11,8 +11,8 @@ over one more pass of the rotation each, every call timed on its own: the
 time inside the parallel region (the largest per-thread time of the
 scheduler table, ulbtorch.runtime.scheduler_stats, which runs from the job's
 publication to the end of a thread's share) and the rest of the call
-(Python, dispatch, argument checks, allocation, the quantisation of the
-activations before the region if any, the return). Medians.
+(Python, dispatch, argument checks, allocation, the return; the activations
+are quantised inside the region). Medians.
 
   python benchmarks/op_overhead.py --shapes 640x2560,2048x2048,4096x4096 --threads 1,2
 """

@@ -28,6 +28,7 @@ import time
 
 HEADS = {"bf16": {}, "int8": dict(lm_head_bits=8), "int4": dict(lm_head_bits=4, lm_head_group_size=32)}
 PROMPT = list(range(1, 17))
+MODES = {"mp": "1", "inproc": "0"}  # VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 def build(work: str, heads: list[str], model_name: str) -> None:
@@ -95,8 +96,6 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{v:.2f} | {v / base:.2f}" for (v, _), (base, _) in zip(vals, rows[0][1]))
               + " |")
 
-
-MODES = {"mp": "1", "inproc": "0"}  # VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 def serve_in_subprocess(a, name: str, path: str, mode: str) -> tuple[float, int]:
