@@ -97,7 +97,6 @@ def main() -> None:
               + " |")
 
 
-
 def serve_in_subprocess(a, name: str, path: str, mode: str) -> tuple[float, int]:
     """tok/s and the threads that computed: in "mp" the cores vLLM bound its
     engine process to (its log), in "inproc" torch's threads after serving."""
