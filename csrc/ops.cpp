@@ -5,73 +5,109 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/core/ScalarType.h>
 
 #include <cstring>
 #include <optional>
-#include <string>
 #include <tuple>
 #include <vector>
 
 #include "ulb/ulb.h"
 
-using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
 namespace {
 
-const char *dtype_name(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float: return "float32";
-    case ScalarType::BFloat16: return "bfloat16";
-    case ScalarType::Half: return "float16";
-    case ScalarType::Double: return "float64";
-    case ScalarType::Byte: return "uint8";
-    case ScalarType::Char: return "int8";
-    case ScalarType::Int: return "int32";
-    case ScalarType::Long: return "int64";
-    default: return "an unsupported dtype";
-  }
+// The shim's codes for the dtypes and device the ops meet, read once at load.
+// Tensor::scalar_type() compares a tensor's code with one out-of-line shim
+// getter per dtype in turn (13 calls to recognise bfloat16), and the checks
+// of a one-token call asked it 3-4 times: cold, between weight streams that
+// flush the caches, those calls cost about 1 us a call (benchmarks/README.md).
+const int32_t kU8 = aoti_torch_dtype_uint8(), kI8 = aoti_torch_dtype_int8(), kI32 = aoti_torch_dtype_int32(),
+              kI64 = aoti_torch_dtype_int64(), kF16 = aoti_torch_dtype_float16(), kF32 = aoti_torch_dtype_float32(),
+              kF64 = aoti_torch_dtype_float64(), kBF16 = aoti_torch_dtype_bfloat16();
+const int32_t kCPU = aoti_torch_device_type_cpu();
+
+const char *dtype_name(int32_t code) {
+  if (code == kF32) return "float32";
+  if (code == kBF16) return "bfloat16";
+  if (code == kF16) return "float16";
+  if (code == kF64) return "float64";
+  if (code == kU8) return "uint8";
+  if (code == kI8) return "int8";
+  if (code == kI32) return "int32";
+  if (code == kI64) return "int64";
+  return "an unsupported dtype";
 }
+
+// What the ops read of a tensor, one shim call per field. sizes and strides
+// are borrowed from the tensor, which outlives the op's use of them.
+struct Meta {
+  int32_t dtype, device;
+  int64_t dim;
+  const int64_t *sizes, *strides;
+
+  explicit Meta(const Tensor &t) {
+    AtenTensorHandle h = t.get();
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, const_cast<int64_t **>(&sizes)));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, const_cast<int64_t **>(&strides)));
+  }
+  int64_t last() const { return dim ? sizes[dim - 1] : 1; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t i = 0; i < dim; i++) n *= sizes[i];
+    return n;
+  }
+  bool contiguous() const {
+    int64_t expect = 1;
+    for (int64_t i = dim; i-- > 0;) {
+      if (sizes[i] == 1) continue;
+      if (strides[i] != expect) return false;
+      expect *= sizes[i];
+    }
+    return true;
+  }
+};
 
 void check_ok(ulb_status st, const char *op) {
   STD_TORCH_CHECK(st == ULB_OK, "ulb.", op, ": ", ulb_status_str(st));
 }
 
-void check_cpu(const Tensor &t, const char *op, const char *name) {
-  STD_TORCH_CHECK(t.is_cpu(), "ulb.", op, ": ", name,
+void check_cpu(const Meta &m, const char *op, const char *name) {
+  STD_TORCH_CHECK(m.device == kCPU, "ulb.", op, ": ", name,
                   " must be a CPU tensor (use the pure-PyTorch path for other devices)");
 }
 
-ulb_dtype act_dtype(const Tensor &t, const char *op, const char *name) {
-  const ScalarType st = t.scalar_type();
-  STD_TORCH_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16, "ulb.", op, ": ", name,
-                  " must be float32 or bfloat16, got ", dtype_name(st));
-  return st == ScalarType::Float ? ULB_DT_F32 : ULB_DT_BF16;
+ulb_dtype act_dtype(const Meta &m, const char *op, const char *name) {
+  STD_TORCH_CHECK(m.dtype == kF32 || m.dtype == kBF16, "ulb.", op, ": ", name,
+                  " must be float32 or bfloat16, got ", dtype_name(m.dtype));
+  return m.dtype == kF32 ? ULB_DT_F32 : ULB_DT_BF16;
 }
 
 // A packed weight: 1-D contiguous uint8 whose header validates.
-ulb_header check_packed(const Tensor &packed, const char *op) {
-  check_cpu(packed, op, "packed weight");
-  STD_TORCH_CHECK(packed.scalar_type() == ScalarType::Byte && packed.dim() == 1 &&
-                      packed.is_contiguous(),
-                  "ulb.", op, ": packed weight must be a 1-D contiguous uint8 tensor made by "
-                  "ulb.pack, got dtype ", dtype_name(packed.scalar_type()), " with ", packed.dim(),
-                  " dims");
+struct Packed {
+  const uint8_t *blob;
+  int64_t nbytes;
   ulb_header h;
-  check_ok(ulb_blob_header(static_cast<const uint8_t *>(packed.const_data_ptr()), packed.numel(), &h),
-           op);
-  return h;
-}
+};
 
-const uint8_t *blob_ptr(const Tensor &packed) {
-  return static_cast<const uint8_t *>(packed.const_data_ptr());
+Packed check_packed(const Tensor &packed, const char *op) {
+  const Meta m(packed);
+  check_cpu(m, op, "packed weight");
+  STD_TORCH_CHECK(m.dtype == kU8 && m.dim == 1 && m.contiguous(), "ulb.", op,
+                  ": packed weight must be a 1-D contiguous uint8 tensor made by ulb.pack, got dtype ",
+                  dtype_name(m.dtype), " with ", m.dim, " dims");
+  Packed p{static_cast<const uint8_t *>(packed.const_data_ptr()), m.sizes[0], {}};
+  check_ok(ulb_blob_header(p.blob, p.nbytes, &p.h), op);
+  return p;
 }
 
 // A new contiguous CPU tensor. Calls the C shim directly: torch::stable::empty
 // looks "aten::empty" up in the dispatcher by name on every call, which
 // costs ~1 us, a noticeable share of a decode-sized GEMV.
-Tensor new_tensor(const std::vector<int64_t> &shape, ScalarType dtype) {
+Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
   for (size_t i = shape.size(); i-- > 0;) {
@@ -79,33 +115,31 @@ Tensor new_tensor(const std::vector<int64_t> &shape, ScalarType dtype) {
     stride *= shape[i] > 1 ? shape[i] : 1;
   }
   AtenTensorHandle out;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
-      static_cast<int64_t>(shape.size()), shape.data(), strides.data(),
-      torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)), aoti_torch_device_type_cpu(), 0,
-      &out));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
+                                                         strides.data(), dtype, kCPU, 0, &out));
   return Tensor(out);
 }
 
 Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size) {
-  check_cpu(codes, "pack", "codes");
-  check_cpu(scales, "pack", "scales");
+  const Meta mc(codes), ms(scales);
+  check_cpu(mc, "pack", "codes");
+  check_cpu(ms, "pack", "scales");
   const ulb_format_info *fi = ulb_format_get(static_cast<int>(format));
   STD_TORCH_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
-  STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Byte && codes.dim() == 2,
+  STD_TORCH_CHECK(mc.dtype == kU8 && mc.dim == 2,
                   "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
-                  dtype_name(codes.scalar_type()), " with ", codes.dim(), " dims");
-  STD_TORCH_CHECK(scales.scalar_type() == ScalarType::Float && scales.dim() == 2,
+                  dtype_name(mc.dtype), " with ", mc.dim, " dims");
+  STD_TORCH_CHECK(ms.dtype == kF32 && ms.dim == 2,
                   "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
-  const int64_t M = codes.size(0), K = codes.size(1);
+  const int64_t M = mc.sizes[0], K = mc.sizes[1];
   const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
   if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
   const int64_t G = (group_size <= 0 || group_size >= K) ? 1 : (K + group_size - 1) / group_size;
-  STD_TORCH_CHECK(scales.size(0) == M && scales.size(1) == G, "ulb.pack: scales must have shape [",
-                  M, ", ", G, "] for group_size ", group_size, ", got [", scales.size(0), ", ",
-                  scales.size(1), "]");
+  STD_TORCH_CHECK(ms.sizes[0] == M && ms.sizes[1] == G, "ulb.pack: scales must have shape [", M, ", ", G,
+                  "] for group_size ", group_size, ", got [", ms.sizes[0], ", ", ms.sizes[1], "]");
   codes = torch::stable::contiguous(codes);
   scales = torch::stable::contiguous(scales);
-  Tensor out = new_tensor({nbytes}, ScalarType::Byte);
+  Tensor out = new_tensor({nbytes}, kU8);
   check_ok(ulb_pack(static_cast<int>(format), M, K, group_size,
                     static_cast<const uint8_t *>(codes.const_data_ptr()), K,
                     static_cast<const float *>(scales.const_data_ptr()),
@@ -115,114 +149,122 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size) {
 }
 
 std::tuple<Tensor, Tensor> unpack(Tensor packed) {
-  const ulb_header h = check_packed(packed, "unpack");
-  Tensor codes = new_tensor({h.M, h.K}, ScalarType::Byte);
-  Tensor scales = new_tensor({h.M, h.n_groups}, ScalarType::Float);
-  check_ok(ulb_unpack(blob_ptr(packed), packed.numel(), static_cast<uint8_t *>(codes.mutable_data_ptr()),
+  const Packed p = check_packed(packed, "unpack");
+  Tensor codes = new_tensor({p.h.M, p.h.K}, kU8);
+  Tensor scales = new_tensor({p.h.M, p.h.n_groups}, kF32);
+  check_ok(ulb_unpack(p.blob, p.nbytes, static_cast<uint8_t *>(codes.mutable_data_ptr()),
                       static_cast<float *>(scales.mutable_data_ptr())),
            "unpack");
   return std::make_tuple(codes, scales);
 }
 
 Tensor packed_info(Tensor packed) {
-  const ulb_header h = check_packed(packed, "packed_info");
-  Tensor out = new_tensor({7}, ScalarType::Long);
+  const ulb_header h = check_packed(packed, "packed_info").h;
+  Tensor out = new_tensor({7}, kI64);
   int64_t *p = static_cast<int64_t *>(out.mutable_data_ptr());
   const int64_t v[7] = {h.format, h.M, h.K, h.group_size, h.n_groups, h.M_pad, h.K_pad};
   std::memcpy(p, v, sizeof v);
   return out;
 }
 
-// Rows of x as (N, row stride, element stride), flattening leading dims.
-// Contiguous and 2-D inputs need no new tensor; other layouts are reshaped
-// (a view when strides allow, else a copy).
+// The rows of x [..., K] as (N, row stride, element stride), leading dims
+// flattened. 2-D and contiguous inputs are read in place; other layouts are
+// reshaped (a view where strides allow, else a copy) and kept alive here.
 struct Rows {
-  Tensor t;
+  const void *data;
   int64_t N, ld, inc;
+  std::optional<Tensor> copy;
 };
 
-Rows as_rows(const Tensor &x, int64_t K) {
-  const int64_t N = K > 0 ? x.numel() / K : 0;
-  if (x.dim() == 2) return {x, N, x.stride(0), x.stride(1)};
-  if (x.is_contiguous()) return {x, N, K, 1};
+Rows as_rows(const Tensor &x, const Meta &m, int64_t K) {
+  int64_t N = K > 0 ? m.numel() / K : 0;
+  if (m.dim == 2) return {x.const_data_ptr(), N, m.strides[0], m.strides[1], std::nullopt};
+  if (m.contiguous()) return {x.const_data_ptr(), N, K, 1, std::nullopt};
   Tensor r = torch::stable::reshape(x, {N, K});
-  return {r, N, r.stride(0), r.stride(1)};
+  const Meta mr(r);
+  return {r.const_data_ptr(), N, mr.strides[0], mr.strides[1], r};
 }
 
 // An optional bias of M elements, fp32 or bf16, made contiguous.
 struct Bias {
-  Tensor t;
   const void *ptr;
   ulb_dtype dt;
+  std::optional<Tensor> keep;
 };
 
 Bias checked_bias(const std::optional<Tensor> &bias, int64_t M, const char *op) {
-  if (!bias.has_value()) return {Tensor(), nullptr, ULB_DT_F32};
-  Tensor b = bias->is_contiguous() ? *bias : torch::stable::contiguous(*bias);
-  check_cpu(b, op, "bias");
-  const ulb_dtype dt = act_dtype(b, op, "bias");
-  STD_TORCH_CHECK(b.dim() == 1 && b.size(0) == M, "ulb.", op, ": bias must have shape [", M, "]");
-  return {b, b.const_data_ptr(), dt};
+  if (!bias.has_value()) return {nullptr, ULB_DT_F32, std::nullopt};
+  const Meta m(*bias);
+  check_cpu(m, op, "bias");
+  const ulb_dtype dt = act_dtype(m, op, "bias");
+  STD_TORCH_CHECK(m.dim == 1 && m.sizes[0] == M, "ulb.", op, ": bias must have shape [", M, "]");
+  Tensor b = m.contiguous() ? *bias : torch::stable::contiguous(*bias);
+  return {b.const_data_ptr(), dt, b};
 }
 
 // The output of a linear op: x's leading dims and dtype, M features.
-Tensor new_output(const Tensor &x, int64_t M) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+Tensor new_output(const Meta &x, int64_t M) {
+  std::vector<int64_t> shape(x.sizes, x.sizes + x.dim);
   shape.back() = M;
-  return new_tensor(shape, x.scalar_type());
+  return new_tensor(shape, x.dtype);
+}
+
+// x's checks shared by the linear ops: a CPU float tensor of K features.
+Meta checked_input(const Tensor &x, const char *op) {
+  const Meta m(x);
+  check_cpu(m, op, "input");
+  STD_TORCH_CHECK(m.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
+  return m;
 }
 
 Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
-  const ulb_header h = check_packed(packed, "linear");
-  check_cpu(x, "linear", "input");
-  const ulb_dtype xdt = act_dtype(x, "linear", "input");
-  STD_TORCH_CHECK(x.dim() >= 1, "ulb.linear: input must have at least 1 dim");
-  const int64_t K = x.size(x.dim() - 1);
-  STD_TORCH_CHECK(K == h.K, "ulb.linear: input has ", K, " features but the packed weight expects ",
-                  h.K);
-  STD_TORCH_CHECK(out_features == h.M, "ulb.linear: out_features=", out_features,
-                  " but the packed weight has ", h.M, " rows");
-  const Bias b = checked_bias(bias, h.M, "linear");
-  Tensor y = new_output(x, h.M);
-  const Rows rows = as_rows(x, K);
+  const Packed p = check_packed(packed, "linear");
+  const Meta mx = checked_input(x, "linear");
+  const ulb_dtype xdt = act_dtype(mx, "linear", "input");
+  const int64_t K = mx.last();
+  STD_TORCH_CHECK(K == p.h.K, "ulb.linear: input has ", K, " features but the packed weight expects ", p.h.K);
+  STD_TORCH_CHECK(out_features == p.h.M, "ulb.linear: out_features=", out_features,
+                  " but the packed weight has ", p.h.M, " rows");
+  const Bias b = checked_bias(bias, p.h.M, "linear");
+  Tensor y = new_output(mx, p.h.M);
+  const Rows rows = as_rows(x, mx, K);
   if (rows.N == 0) return y;
-  check_ok(ulb_linear(blob_ptr(packed), packed.numel(), rows.N, rows.t.const_data_ptr(), xdt, rows.ld,
-                      rows.inc, b.ptr, b.dt, y.mutable_data_ptr(), xdt, h.M,
-                      static_cast<int>(torch::stable::get_num_threads())),
+  check_ok(ulb_linear(p.blob, p.nbytes, rows.N, rows.data, xdt, rows.ld, rows.inc, b.ptr, b.dt,
+                      y.mutable_data_ptr(), xdt, p.h.M, static_cast<int>(torch::stable::get_num_threads())),
            "linear");
   return y;
 }
 
 std::tuple<Tensor, Tensor, Tensor> quantize_act(Tensor x, Tensor packed) {
-  const ulb_header h = check_packed(packed, "quantize_act");
-  check_cpu(x, "quantize_act", "input");
-  const ulb_dtype xdt = act_dtype(x, "quantize_act", "input");
-  STD_TORCH_CHECK(x.dim() == 2 && x.size(1) == h.K, "ulb.quantize_act: input must be [N, ", h.K, "]");
-  const int64_t N = x.size(0);
-  Tensor xq = new_tensor({N, h.K_pad}, ScalarType::Char);
-  Tensor xs = new_tensor({N}, ScalarType::Float);
-  Tensor xsum = new_tensor({N, h.n_groups}, ScalarType::Int);
-  check_ok(ulb_quantize_act(N, h.K, h.K_pad, h.group_size, x.const_data_ptr(), xdt, x.stride(0),
-                            x.stride(1), static_cast<int8_t *>(xq.mutable_data_ptr()),
-                            static_cast<float *>(xs.mutable_data_ptr()),
+  const ulb_header h = check_packed(packed, "quantize_act").h;
+  const Meta mx(x);
+  check_cpu(mx, "quantize_act", "input");
+  const ulb_dtype xdt = act_dtype(mx, "quantize_act", "input");
+  STD_TORCH_CHECK(mx.dim == 2 && mx.sizes[1] == h.K, "ulb.quantize_act: input must be [N, ", h.K, "]");
+  const int64_t N = mx.sizes[0];
+  Tensor xq = new_tensor({N, h.K_pad}, kI8);
+  Tensor xs = new_tensor({N}, kF32);
+  Tensor xsum = new_tensor({N, h.n_groups}, kI32);
+  check_ok(ulb_quantize_act(N, h.K, h.K_pad, h.group_size, x.const_data_ptr(), xdt, mx.strides[0], mx.strides[1],
+                            static_cast<int8_t *>(xq.mutable_data_ptr()), static_cast<float *>(xs.mutable_data_ptr()),
                             static_cast<int32_t *>(xsum.mutable_data_ptr())),
            "quantize_act");
   return std::make_tuple(xq, xs, xsum);
 }
 
 Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
-  const ulb_header h = check_packed(packed, "int_dots");
-  check_cpu(xq, "int_dots", "xq");
-  STD_TORCH_CHECK(xq.scalar_type() == ScalarType::Char && xq.dim() == 2 && xq.size(1) == h.K_pad,
-                  "ulb.int_dots: xq must be int8 [N, ", h.K_pad, "]");
-  STD_TORCH_CHECK(xsum.scalar_type() == ScalarType::Int && xsum.dim() == 2 &&
-                      xsum.size(0) == xq.size(0) && xsum.size(1) == h.n_groups,
-                  "ulb.int_dots: xsum must be int32 [N, ", h.n_groups, "]");
+  const Packed p = check_packed(packed, "int_dots");
+  const Meta mq(xq), ms(xsum);
+  check_cpu(mq, "int_dots", "xq");
+  STD_TORCH_CHECK(mq.dtype == kI8 && mq.dim == 2 && mq.sizes[1] == p.h.K_pad, "ulb.int_dots: xq must be int8 [N, ",
+                  p.h.K_pad, "]");
+  STD_TORCH_CHECK(ms.dtype == kI32 && ms.dim == 2 && ms.sizes[0] == mq.sizes[0] && ms.sizes[1] == p.h.n_groups,
+                  "ulb.int_dots: xsum must be int32 [N, ", p.h.n_groups, "]");
+  const int64_t N = mq.sizes[0];
   xq = torch::stable::contiguous(xq);
   xsum = torch::stable::contiguous(xsum);
-  const int64_t N = xq.size(0);
-  Tensor out = new_tensor({N, h.M, h.n_groups}, ScalarType::Int);
-  check_ok(ulb_int_dots(blob_ptr(packed), packed.numel(), N, static_cast<const int8_t *>(xq.const_data_ptr()),
+  Tensor out = new_tensor({N, p.h.M, p.h.n_groups}, kI32);
+  check_ok(ulb_int_dots(p.blob, p.nbytes, N, static_cast<const int8_t *>(xq.const_data_ptr()),
                         static_cast<const int32_t *>(xsum.const_data_ptr()),
                         static_cast<int32_t *>(out.mutable_data_ptr())),
            "int_dots");
@@ -233,25 +275,28 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
 // one ulb_gemv_bf16 per row of x, so meant for decode (one token); the
 // modules send longer inputs to F.linear.
 Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
-  check_cpu(weight, "linear_bf16", "weight");
-  STD_TORCH_CHECK(weight.scalar_type() == ScalarType::BFloat16 && weight.dim() == 2 && weight.stride(1) == 1,
+  const Meta mw(weight);
+  check_cpu(mw, "linear_bf16", "weight");
+  STD_TORCH_CHECK(mw.dtype == kBF16 && mw.dim == 2 && mw.strides[1] == 1,
                   "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with contiguous rows, got ",
-                  dtype_name(weight.scalar_type()), " with ", weight.dim(), " dims");
-  const int64_t M = weight.size(0), K = weight.size(1);
+                  dtype_name(mw.dtype), " with ", mw.dim, " dims");
+  const int64_t M = mw.sizes[0], K = mw.sizes[1];
   STD_TORCH_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
-  check_cpu(x, "linear_bf16", "input");
-  STD_TORCH_CHECK(x.scalar_type() == ScalarType::BFloat16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
-                  dtype_name(x.scalar_type()));
-  STD_TORCH_CHECK(x.dim() >= 1 && x.size(x.dim() - 1) == K, "ulb.linear_bf16: input has ",
-                  x.dim() ? x.size(x.dim() - 1) : 0, " features but the weight expects ", K);
+  const Meta mx(x);
+  check_cpu(mx, "linear_bf16", "input");
+  STD_TORCH_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
+                  dtype_name(mx.dtype));
+  STD_TORCH_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.dim ? mx.last() : 0,
+                  " features but the weight expects ", K);
   const Bias b = checked_bias(bias, M, "linear_bf16");
-  Tensor y = new_output(x, M);
-  const Rows rows = as_rows(x, K);
+  Tensor y = new_output(mx, M);
+  const Rows rows = as_rows(x, mx, K);
+  const uint16_t *w = static_cast<const uint16_t *>(weight.const_data_ptr());
+  uint16_t *out = static_cast<uint16_t *>(y.mutable_data_ptr());
   const int nthreads = static_cast<int>(torch::stable::get_num_threads());
   for (int64_t n = 0; n < rows.N; n++)
-    check_ok(ulb_gemv_bf16(static_cast<const uint16_t *>(weight.const_data_ptr()), M, K, weight.stride(0),
-                           static_cast<const uint16_t *>(rows.t.const_data_ptr()) + n * rows.ld, rows.inc, b.ptr,
-                           b.dt, static_cast<uint16_t *>(y.mutable_data_ptr()) + n * M, ULB_DT_BF16, nthreads),
+    check_ok(ulb_gemv_bf16(w, M, K, mw.strides[0], static_cast<const uint16_t *>(rows.data) + n * rows.ld, rows.inc,
+                           b.ptr, b.dt, out + n * M, ULB_DT_BF16, nthreads),
              "linear_bf16");
   return y;
 }
