@@ -128,12 +128,12 @@ def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]]
     round, starting one candidate later), so that DRAM bandwidth drifting
     during the measurement weighs on all candidates alike and their ratios
     hold. Each candidate is warmed up with `warmup_passes` full passes (page
-    faults, thread pool start); a sample is at least one call and about
-    min_sample_s long. samples_out, if given, receives every candidate's
-    per-round seconds per call (for ratios taken round by round; see
-    median_ratio)."""
+    faults, thread pool start); a sample is the same number of calls for
+    every candidate, about min_sample_s of the fastest one. samples_out, if
+    given, receives every candidate's per-round seconds per call (for ratios
+    taken round by round; see median_ratio)."""
     rots = [Rotation(items, fn) for items, fn in candidates]
-    inner = []
+    per_call = []
     for rot, (items, _) in zip(rots, candidates):
         for _ in range(max(1, warmup_passes) * len(items)):
             rot()
@@ -141,9 +141,19 @@ def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]]
         t0 = time.perf_counter()
         for _ in range(probe):
             rot()
-        inner.append(calls_per_sample((time.perf_counter() - t0) / probe, min_sample_s))
-    samples: list[list[float]] = [[] for _ in rots]
+        per_call.append((time.perf_counter() - t0) / probe)
+    # Candidates often share their items (an op and the read probe of the same
+    # blobs). Had they the same position in the rotation, each would read what
+    # the one before it in the round had just pulled into L3, and run faster
+    # for it (a second copy of one op ran 1.01-1.07x as fast as the first on
+    # 0.4-4 MiB blobs; staggered, 1.00-1.025x). So each starts len/n further along,
+    # and all make the same number of calls per sample (the fastest one's
+    # count), which keeps them that far apart.
     n = len(rots)
+    inner = calls_per_sample(min(per_call), min_sample_s)
+    for i, (rot, (items, _)) in enumerate(zip(rots, candidates)):
+        rot.i = i * len(items) // n
+    samples: list[list[float]] = [[] for _ in rots]
     for r in range(max(1, reps)):
         # Each round starts one candidate later, so none is always first (each
         # still follows the same neighbour; a shuffled order measured the same).
@@ -151,9 +161,9 @@ def time_interleaved(candidates: Sequence[tuple[Sequence, Callable[[Any], Any]]]
             i = (r + j) % n
             rot = rots[i]
             t0 = time.perf_counter()
-            for _ in range(inner[i]):
+            for _ in range(inner):
                 rot()
-            samples[i].append((time.perf_counter() - t0) / inner[i])
+            samples[i].append((time.perf_counter() - t0) / inner)
     if samples_out is not None:
         samples_out[:] = samples
     return [statistics.median(s) for s in samples]
