@@ -12,11 +12,12 @@ from ulbtorch import runtime
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
 @pytest.mark.parametrize("fmt", ["int2_sym", "binary"])
-@pytest.mark.parametrize("N", [1, 3])
+@pytest.mark.parametrize("N", [1, 3, 37])
 def test_pools_agree_and_record_both_threads(fmt, N):
-    """The activations are quantised inside the parallel region by whichever
-    thread gets there first while the others wait (linear.c): every pool and
-    thread count must give the one-thread result, NaN rows included."""
+    """The activations are quantised inside the parallel region, every thread
+    claiming rows while some are left and then waiting for the rest
+    (linear.c): every pool and thread count must give the one-thread result,
+    NaN rows included (37 rows make claims of several rows each)."""
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 2 if fmt == "binary" else 4, (2048, 1024), dtype=torch.uint8, generator=g)
     packed = ulbtorch.ops.pack(codes, torch.rand(2048, 1, generator=g), fmt)
@@ -25,6 +26,7 @@ def test_pools_agree_and_record_both_threads(fmt, N):
     xs = [torch.randn(N, 1024, generator=g) * (i + 1) for i in range(6)]
     if N > 1:
         xs[2][1, 7] = float("nan")
+        xs[2][N - 1, 0] = float("inf")
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -40,7 +42,8 @@ def test_pools_agree_and_record_both_threads(fmt, N):
             assert stats["nthreads"] == 2 and stats["calls"] == len(xs)
             assert sum(stats["last_panels"]) == 2048 // 64 and min(stats["last_panels"]) > 0
         if N > 1:
-            assert torch.isnan(one[2][1]).all() and not torch.isnan(one[2][0]).any()
+            assert torch.isnan(one[2][1]).all() and torch.isnan(one[2][N - 1]).all()
+            assert not torch.isnan(one[2][0]).any()
     finally:
         runtime.set_thread_pool("torch")
         torch.set_num_threads(prev)

@@ -8,7 +8,9 @@
  * Each build packs its own copies of the same matrix, so two blob layouts
  * can be compared too; the probe reads A's.
  * Usage: ab_linear [M K format threads rounds]; AB_BF16=1 for bf16
- * activations and output (as the modules run under a bf16 model). */
+ * activations and output (as the modules run under a bf16 model), AB_N=n
+ * for n tokens a call (default 1; prefill sizes are compute-bound, so the
+ * rotation matters little there). */
 #include <stdio.h>
 
 #include "cold_blobs.h"
@@ -31,7 +33,7 @@ typedef struct {
     const void *x;
     void *ya, *yb;
     ulb_dtype dt;
-    int64_t M, K;
+    int64_t M, K, N;
     int threads;
 } ab_job;
 
@@ -41,9 +43,9 @@ static int ab_run(void *ctx, int c) {
     for (int i = 0; i < j->n; i++) {
         uint64_t checksum;
         ulb_status st = c == 0   ? A_ulb_read_probe(j->blobs[i], j->nbytes, j->threads, &checksum)
-                        : c == 1 ? A_ulb_linear(j->blobs[i], j->nbytes, 1, j->x, j->dt, j->K, 1, NULL, j->dt, j->ya,
-                                                j->dt, j->M, j->threads)
-                                 : B_ulb_linear(j->blobs_b[i], j->nbytes_b, 1, j->x, j->dt, j->K, 1, NULL, j->dt,
+                        : c == 1 ? A_ulb_linear(j->blobs[i], j->nbytes, j->N, j->x, j->dt, j->K, 1, NULL, j->dt,
+                                                j->ya, j->dt, j->M, j->threads)
+                                 : B_ulb_linear(j->blobs_b[i], j->nbytes_b, j->N, j->x, j->dt, j->K, 1, NULL, j->dt,
                                                 j->yb, j->dt, j->M, j->threads);
         if (st != ULB_OK) return 1;
     }
@@ -68,21 +70,26 @@ int main(int argc, char **argv) {
     uint8_t **blobs = rot[0], **blobs_b = rot[1];
     const ulb_dtype dt = getenv("AB_BF16") ? ULB_DT_BF16 : ULB_DT_F32;
     const size_t esize = dt == ULB_DT_F32 ? 4 : 2;
-    uint8_t *x = malloc(K * 4), *ya = malloc(M * 4), *yb = malloc(M * 4);
-    for (int64_t k = 0; k < K; k++) {
+    const int64_t N = getenv("AB_N") ? atoll(getenv("AB_N")) : 1;
+    if (N < 1) {
+        fprintf(stderr, "AB_N must be at least 1\n");
+        return 2;
+    }
+    uint8_t *x = malloc(N * K * 4), *ya = malloc(N * M * 4), *yb = malloc(N * M * 4);
+    for (int64_t k = 0; k < N * K; k++) {
         const float v = (float)rand() / RAND_MAX - 0.5f;
         memcpy(x + k * esize, (const uint8_t *)&v + 4 - esize, esize); /* bf16: the high half */
     }
-    ulb_status sa = A_ulb_linear(blobs[0], nbytes, 1, x, dt, K, 1, NULL, dt, ya, dt, M, threads);
-    ulb_status sb = B_ulb_linear(blobs_b[0], nbytes_b, 1, x, dt, K, 1, NULL, dt, yb, dt, M, threads);
+    ulb_status sa = A_ulb_linear(blobs[0], nbytes, N, x, dt, K, 1, NULL, dt, ya, dt, M, threads);
+    ulb_status sb = B_ulb_linear(blobs_b[0], nbytes_b, N, x, dt, K, 1, NULL, dt, yb, dt, M, threads);
     if (sa != ULB_OK || sb != ULB_OK) return 2;
-    const int same = !memcmp(ya, yb, M * esize);
-    ab_job job = {blobs, blobs_b, n, nbytes, nbytes_b, x, ya, yb, dt, M, K, threads};
+    const int same = !memcmp(ya, yb, N * M * esize);
+    ab_job job = {blobs, blobs_b, n, nbytes, nbytes_b, x, ya, yb, dt, M, K, N, threads};
     static bench_times t[3];
     if (bench_interleave(3, rounds, NULL, ab_run, &job, t)) return 2;
-    printf("%s %ldx%ld, %d thread(s), %s, %d rounds of %d blobs: A %.1f%%, B %.1f%% of the read probe; "
+    printf("%s %ldx%ld, N=%ld, %d thread(s), %s, %d rounds of %d blobs: A %.1f%%, B %.1f%% of the read probe; "
            "B/A speed %.3f (median of per-round ratios)%s\n",
-           fi->name, (long)M, (long)K, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n,
+           fi->name, (long)M, (long)K, (long)N, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n,
            100 * bench_ratio_median(t[0], t[1], rounds), 100 * bench_ratio_median(t[0], t[2], rounds),
            bench_ratio_median(t[1], t[2], rounds), same ? "" : "; OUTPUTS DIFFER");
     return 0;

@@ -60,22 +60,27 @@ typedef struct {
     int64_t ldx, incx;
 } act_input;
 
-static ulb_status acts_fill(const ulb_weight *w, int64_t N, const act_input *in, quantized_acts *q) {
-    const ulb_status st = ulb_quantize_act(N, w->K, w->K_pad, w->gsteps * ulb_tile_k(w->bits), in->x, in->dt,
-                                           in->ldx, in->incx, q->xq, q->xscale, q->xsum);
+/* Quantises rows [r0, r1) of x; the 1-bit tables too, which exist only for
+ * one token. */
+static ulb_status acts_fill(const ulb_weight *w, int64_t r0, int64_t r1, const act_input *in, quantized_acts *q) {
+    const size_t esize = in->dt == ULB_DT_F32 ? 4 : 2;
+    const ulb_status st = ulb_quantize_act(r1 - r0, w->K, w->K_pad, w->gsteps * ulb_tile_k(w->bits),
+                                           (const char *)in->x + (size_t)(r0 * in->ldx) * esize, in->dt, in->ldx,
+                                           in->incx, q->xq + r0 * w->K_pad, q->xscale + r0,
+                                           q->xsum + r0 * w->n_groups);
     if (st == ULB_OK && q->acts.lut1) ulb_lut1_build_avx512(q->xq, w->ksteps, (uint8_t *)q->acts.lut1);
     return st;
 }
-
-enum { ACTS_PENDING, ACTS_BUSY, ACTS_READY, ACTS_FAILED };
 
 typedef struct {
     const ulb_weight *w;
     quantized_acts *q;
     act_input in;
-    _Atomic int acts_state;
-    ulb_status acts_status;
     int64_t N;
+    int64_t acts_claim;              /* rows of x a thread quantises at a time */
+    _Atomic int64_t acts_next;       /* first row not yet claimed */
+    _Atomic int64_t acts_done;       /* rows quantised */
+    _Atomic int acts_status;         /* a ulb_status; the last failure wins */
     ulb_panel_fn panel;
     ulb_store_fn store;
     ulb_out out;
@@ -88,28 +93,33 @@ typedef struct {
 #define ULB_WARM_BYTES 8192
 #endif
 
-/* The activations are quantised inside the parallel region by the first
- * thread to get there (the caller, as a rule) while the others wait, and
- * every thread first prefetches the start of its panels: so the weight
- * streams start while the activations are quantised, instead of after it and
- * after the fork. Against quantising before the fork (benchmarks/c/ab_builds.sh,
- * both orders): two threads +1.5-7% on 0.4-1 MiB 2-bit matrices and +7% on a
- * 0.25 MiB 1-bit one, one thread +1-2% on small matrices, unchanged from
- * 4 MiB; without the prefetch it loses (0.94-0.985x), with 4 or 16 KiB of it
- * 0.98-1.00x. */
+/* The activations are quantised inside the parallel region: every thread
+ * first prefetches the start of its panels, then claims rows of x to
+ * quantise until none are left, then waits for the rows others claimed. So
+ * the weight streams start while the activations are quantised, instead of
+ * after it and after the fork, and a prefill's rows are quantised by every
+ * thread. A thread waits only once every row is claimed by a thread already
+ * at work, so it cannot deadlock. Against quantising before the fork
+ * (benchmarks/c/ab_builds.sh, both orders, one token): two threads +1.5-7% on
+ * 0.4-1 MiB 2-bit matrices and +7% on a 0.25 MiB 1-bit one, one thread +1-2%
+ * on small matrices, unchanged from 4 MiB; without the prefetch it loses
+ * (0.94-0.985x), with 4 or 16 KiB of it 0.98-1.00x. */
 static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end) {
     for (int64_t o = 0; o < ULB_WARM_BYTES && o < end - first; o += 64) __builtin_prefetch(first + o, 0, 2);
-    int state = ACTS_PENDING;
-    if (atomic_compare_exchange_strong(&job->acts_state, &state, ACTS_BUSY)) {
-        job->acts_status = acts_fill(job->w, job->N, &job->in, job->q);
-        state = job->acts_status == ULB_OK ? ACTS_READY : ACTS_FAILED;
-        atomic_store_explicit(&job->acts_state, state, memory_order_release);
+    for (;;) {
+        const int64_t r0 = atomic_fetch_add_explicit(&job->acts_next, job->acts_claim, memory_order_relaxed);
+        if (r0 >= job->N) break;
+        const int64_t r1 = r0 + job->acts_claim < job->N ? r0 + job->acts_claim : job->N;
+        const ulb_status st = acts_fill(job->w, r0, r1, &job->in, job->q);
+        if (st != ULB_OK) atomic_store_explicit(&job->acts_status, st, memory_order_relaxed);
+        /* Release: whoever reads the final count sees every claimed row's bytes. */
+        atomic_fetch_add_explicit(&job->acts_done, r1 - r0, memory_order_release);
+        /* Claiming past the end would pull the line the waiters spin on back
+         * across cores: 1-2.5% of a one-token call. */
+        if (r1 == job->N) break;
     }
-    while (state == ACTS_BUSY || state == ACTS_PENDING) {
-        ulb_cpu_relax();
-        state = atomic_load_explicit(&job->acts_state, memory_order_acquire);
-    }
-    return state == ACTS_READY;
+    while (atomic_load_explicit(&job->acts_done, memory_order_acquire) < job->N) ulb_cpu_relax();
+    return atomic_load_explicit(&job->acts_status, memory_order_relaxed) == ULB_OK;
 }
 
 /* Rows of panels [p0, p1): [m0, m0 + rows). */
@@ -168,7 +178,9 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     quantized_acts q;
     st = acts_alloc(&w, lut, nthreads, N, &q);
     if (st != ULB_OK) return st;
-    linear_job job = {&w, &q, {x, x_dt, ldx, incx}, ACTS_PENDING, ULB_OK, N, ulb_panel_for_isa(isa),
+    /* Two claims per thread: enough to even out a late thread, few atomics. */
+    const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
+    linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, ulb_panel_for_isa(isa),
                       ulb_store_for_isa(isa), {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;
