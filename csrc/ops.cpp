@@ -54,7 +54,7 @@ struct Meta {
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, const_cast<int64_t **>(&sizes)));
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, const_cast<int64_t **>(&strides)));
   }
-  int64_t last() const { return dim ? sizes[dim - 1] : 1; }
+  int64_t last() const { return dim ? sizes[dim - 1] : 0; }
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t i = 0; i < dim; i++) n *= sizes[i];
@@ -209,18 +209,12 @@ Tensor new_output(const Meta &x, int64_t M) {
   return new_tensor(shape, x.dtype);
 }
 
-// x's checks shared by the linear ops: a CPU float tensor of K features.
-Meta checked_input(const Tensor &x, const char *op) {
-  const Meta m(x);
-  check_cpu(m, op, "input");
-  STD_TORCH_CHECK(m.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
-  return m;
-}
-
 Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
   const Packed p = check_packed(packed, "linear");
-  const Meta mx = checked_input(x, "linear");
+  const Meta mx(x);
+  check_cpu(mx, "linear", "input");
   const ulb_dtype xdt = act_dtype(mx, "linear", "input");
+  STD_TORCH_CHECK(mx.dim >= 1, "ulb.linear: input must have at least 1 dim");
   const int64_t K = mx.last();
   STD_TORCH_CHECK(K == p.h.K, "ulb.linear: input has ", K, " features but the packed weight expects ", p.h.K);
   STD_TORCH_CHECK(out_features == p.h.M, "ulb.linear: out_features=", out_features,
@@ -286,7 +280,7 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   check_cpu(mx, "linear_bf16", "input");
   STD_TORCH_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
                   dtype_name(mx.dtype));
-  STD_TORCH_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.dim ? mx.last() : 0,
+  STD_TORCH_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.last(),
                   " features but the weight expects ", K);
   const Bias b = checked_bias(bias, M, "linear_bf16");
   Tensor y = new_output(mx, M);
