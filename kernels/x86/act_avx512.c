@@ -62,7 +62,27 @@ float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int64_t group
     for (int64_t g0 = 0; g0 < K; g0 += group) {
         const int64_t g1 = g0 + group < K ? g0 + group : K;
         __m512i sum = _mm512_setzero_si512();
-        for (int64_t k = g0; k < g1; k += 16) {
+        int64_t k = g0;
+        if (dt == ULB_DT_BF16)
+            for (; k + 32 <= g1; k += 32) {
+                /* A bf16 is the high half of its fp32, so the even elements
+                 * of 32 are a shift away and the odd ones a mask: no
+                 * widening shuffle, and the two halves of each result dword
+                 * are already the int16 pair in element order. */
+                const __m512i v = _mm512_loadu_si512((const uint16_t *)x + k);
+                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+                const __m512i re = _mm512_cvt_roundps_epi32(_mm512_mul_ps(even, vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m512i ro = _mm512_cvt_roundps_epi32(_mm512_mul_ps(odd, vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                sum = _mm512_add_epi32(sum, _mm512_add_epi32(re, ro));
+                /* Both lie in [-127, 127] (below), so dropping the high half
+                 * of each int16 word is exact. */
+                const __m512i w = _mm512_mask_blend_epi16(0xaaaaaaaau, re, _mm512_slli_epi32(ro, 16));
+                _mm256_storeu_si256((__m256i *)(q + k), _mm512_cvtepi16_epi8(w));
+            }
+        for (; k < g1; k += 16) {
             const __mmask16 m = tail_mask16(g1 - k);
             /* |x * inv| <= 127 (1 + 2^-23), so rounding to nearest even lands
              * in [-127, 127]: the reference's clamp never bites, and the
