@@ -1,11 +1,14 @@
 """Build ulbtorch._C: the C kernels (kernels/, a static library) plus one thin
-C++ file of op registrations (csrc/) against the LibTorch stable ABI.
+C++ file of op registrations (csrc/) against the LibTorch stable ABI; and
+ulbtorch._eager, the modules' eager-mode call of those kernels, against the
+classic C++ API of the installed torch (used only under that torch version).
 
 Build with the torch already installed: pip install --no-build-isolation -e .
 """
 import glob
 import os
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -40,7 +43,13 @@ setup(
             },
             extra_link_args=["-lpthread"],
             py_limited_api=True,
-        )
+        ),
+        CppExtension(
+            "ulbtorch._eager",
+            ["csrc/eager.cpp"],
+            include_dirs=[os.path.join(ROOT, "kernels/include")],
+            extra_compile_args={"cxx": ["-O2", f'-DULB_EAGER_TORCH_VERSION="{torch.__version__}"']},
+        ),
     ],
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},

@@ -17,11 +17,13 @@ def _restore_runtime_state():
     a thread count into the next one."""
     isa = runtime.get_isa()
     lut1 = runtime.lut1_enabled()
+    eager = runtime.eager_fast_path()
     nthreads = torch.get_num_threads()
     prefetch = {bits: runtime.prefetch_distance(bits) for bits in runtime.PREFETCH_WIDTHS}
     yield
     runtime.set_isa(isa)
     runtime.set_lut1(lut1)
+    runtime.set_eager_fast_path(eager)
     torch.set_num_threads(nthreads)
     for bits, d in prefetch.items():
         runtime.set_prefetch_distance(bits, d)

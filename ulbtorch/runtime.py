@@ -1,6 +1,7 @@
-"""Runtime controls of the kernel library: ISA and kernel choice and the
-thread scheduler's performance table. Plain C functions of ulbtorch._C, reached with
-ctypes because they move no tensors."""
+"""Runtime controls of the kernel library: ISA and kernel choice, the
+thread scheduler's performance table, and the modules' eager fast path.
+Plain C functions of ulbtorch._C, reached with ctypes because they move no
+tensors."""
 from __future__ import annotations
 
 import contextlib
@@ -142,6 +143,54 @@ def set_lut1(on: bool) -> None:
 def use_lut1(on: bool):
     """Run the enclosed calls with the 1-bit lookup-table kernel on or off."""
     return _setting(lut1_enabled, set_lut1, on)
+
+
+def _load_eager():
+    """ulbtorch._eager.linear bound to this process's kernels, or None where
+    that module is missing or was built for another torch or Python (its
+    classic C++ API binds to one torch version; it is compared before any
+    call, and importing the module touches nothing of torch)."""
+    import torch
+
+    try:
+        from . import _eager
+    except ImportError:
+        return None
+    if _eager.TORCH_VERSION != torch.__version__ or not _eager.bind(_C.__file__):
+        return None
+    return _eager.linear
+
+
+_eager_linear = _load_eager()
+# What the Linear*Bit modules call in eager mode before torch.ops.ulb.linear:
+# the op's kernel straight from CPython (csrc/eager.cpp), or None.
+eager_linear = _eager_linear if os.environ.get("ULB_EAGER", "1") != "0" else None
+
+
+def eager_fast_path_available() -> bool:
+    """Whether ulbtorch._eager loaded for this torch (see eager_linear)."""
+    return _eager_linear is not None
+
+
+def eager_fast_path() -> bool:
+    return eager_linear is not None
+
+
+def set_eager_fast_path(on: bool) -> None:
+    """The modules' eager-mode call of the kernel from CPython, beside the op
+    (on by default where available; ULB_EAGER=0 turns it off at load). A
+    cold one-token call then costs ~1 us outside the kernel instead of the
+    op's 3-6 us; results are the op's bit for bit, and whatever it does not
+    serve (tracing, fake tensors, autograd, modes, bad input) goes to the op."""
+    global eager_linear
+    if on and _eager_linear is None:
+        raise RuntimeError("ulbtorch._eager is not built for this torch; the modules call torch.ops.ulb.linear")
+    eager_linear = _eager_linear if on else None
+
+
+def use_eager_fast_path(on: bool):
+    """Run the enclosed calls with the eager fast path on or off."""
+    return _setting(eager_fast_path, set_eager_fast_path, on)
 
 
 PREFETCH_WIDTHS = (1, 2, 4, 8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
+from .. import ops, runtime
 from ..formats import get_format, normalize_group_size
 from ..quantizers import GRANULARITIES, quantize_weight
 
@@ -152,9 +152,16 @@ class LowBitLinear(nn.Module):
                                "from_codes or load a state_dict")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Decode calls last microseconds: the common case is one op call, with
-        # the parameter dicts read directly (nn.Module.__getattr__ is slow).
+        # Decode calls last microseconds: the common case is one call from
+        # CPython to the kernel (runtime.eager_linear, NotImplemented for what
+        # it leaves to the op), with the parameter dicts read directly
+        # (nn.Module.__getattr__ is slow).
         bias = self._parameters["bias"]
+        eager = runtime.eager_linear
+        if eager is not None and not self.force_reference and not torch.compiler.is_compiling():
+            y = eager(x, self._buffers["packed"], bias, self.out_features)
+            if y is not NotImplemented:
+                return y
         if (x.dtype in _KERNEL_DTYPES and x.is_cpu and x.dim() and x.shape[-1] == self.in_features
                 and not self.force_reference and (bias is None or bias.dtype in _KERNEL_DTYPES)):
             return _kernel_linear(self, x, bias)

@@ -1,0 +1,141 @@
+// ulbtorch._eager: the eager-mode call of the Linear*Bit modules, straight
+// from CPython to the C kernel, beside torch.ops.ulb.linear (csrc/ops.cpp).
+//
+// Why: a one-token GEMV streams its weights in 10-150 us, and the dispatcher
+// path of a custom op (Python arguments matched to the schema, boxed into
+// IValues, through the stable ABI's shims and back) costs 3-6 us of it when
+// the weight stream has flushed the caches; calling the kernel from here
+// costs ~1 us, as PyTorch's own bindings do (benchmarks/README.md).
+//
+// What it serves: exactly what the op would compute, bit for bit, through
+// the op's own ulb_linear of ulbtorch._C (bound at import, so the thread
+// pool, ISA choice and runtime settings are shared). It returns
+// NotImplemented for anything else: tensor subclasses and fake tensors,
+// active torch function or dispatch modes, inputs that need autograd,
+// non-CPU or unusual layouts, and every input the op would reject. The
+// caller then runs the op, which traces, records and raises as before.
+//
+// Unlike ulbtorch._C this module uses the classic C++ API of the torch it
+// was built with; ulbtorch binds it only under that same torch version.
+#include <Python.h>
+#include <dlfcn.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "ulb/ulb.h"
+
+#ifndef ULB_EAGER_TORCH_VERSION
+#error "setup.py defines ULB_EAGER_TORCH_VERSION, the torch this module is built against"
+#endif
+
+namespace {
+
+decltype(&ulb_linear) linear_fn = nullptr;
+decltype(&ulb_blob_header) header_fn = nullptr;
+
+// bind(path of ulbtorch._C): take that module's kernel entry points.
+PyObject *bind(PyObject *, PyObject *path) {
+  const char *p = PyUnicode_AsUTF8(path);
+  if (!p) return nullptr;
+  void *lib = dlopen(p, RTLD_NOW | RTLD_NOLOAD);  // already loaded by `import ulbtorch._C`
+  if (lib) {
+    linear_fn = reinterpret_cast<decltype(&ulb_linear)>(dlsym(lib, "ulb_linear"));
+    header_fn = reinterpret_cast<decltype(&ulb_blob_header)>(dlsym(lib, "ulb_blob_header"));
+    dlclose(lib);  // drops the reference NOLOAD took; Python keeps the module loaded
+  }
+  return PyBool_FromLong(linear_fn && header_fn);
+}
+
+bool plain_cpu(const at::Tensor &t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_neg() && !t.is_conj();
+}
+
+bool act_dtype(at::ScalarType s, ulb_dtype *dt) {
+  if (s == at::kFloat) return *dt = ULB_DT_F32, true;
+  if (s == at::kBFloat16) return *dt = ULB_DT_BF16, true;
+  return false;
+}
+
+// linear(x, packed, bias or None, out_features): torch.ops.ulb.linear's
+// result, or NotImplemented where that op should run instead.
+PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "ulbtorch._eager.linear takes (x, packed, bias, out_features)");
+    return nullptr;
+  }
+  if (!linear_fn || !THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) ||
+      (args[2] != Py_None && !THPVariable_CheckExact(args[2])) || !PyLong_CheckExact(args[3]))
+    Py_RETURN_NOTIMPLEMENTED;
+  if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set())
+    Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor &x = THPVariable_Unpack(args[0]);
+  const at::Tensor &packed = THPVariable_Unpack(args[1]);
+  const bool has_bias = args[2] != Py_None;
+  const at::Tensor *bias = has_bias ? &THPVariable_Unpack(args[2]) : nullptr;
+  ulb_dtype xdt, bdt = ULB_DT_F32;
+  if (!plain_cpu(x) || !act_dtype(x.scalar_type(), &xdt) || x.dim() < 1 || x.numel() == 0) Py_RETURN_NOTIMPLEMENTED;
+  if (c10::GradMode::is_enabled() && (x.requires_grad() || (bias && bias->requires_grad())))
+    Py_RETURN_NOTIMPLEMENTED;
+  if (!plain_cpu(packed) || packed.scalar_type() != at::kByte || packed.dim() != 1 || !packed.is_contiguous())
+    Py_RETURN_NOTIMPLEMENTED;
+  const uint8_t *blob = packed.const_data_ptr<uint8_t>();
+  const int64_t nbytes = packed.size(0);
+  ulb_header h;
+  if (header_fn(blob, nbytes, &h) != ULB_OK) Py_RETURN_NOTIMPLEMENTED;
+  const int64_t K = x.size(-1);
+  if (K != h.K || PyLong_AsLongLong(args[3]) != h.M) {
+    PyErr_Clear();  // an out_features beyond int64: the op says what is wrong
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  if (bias && (!plain_cpu(*bias) || !act_dtype(bias->scalar_type(), &bdt) || bias->dim() != 1 ||
+               bias->size(0) != h.M || !bias->is_contiguous()))
+    Py_RETURN_NOTIMPLEMENTED;
+  // The rows as the op reads them (csrc/ops.cpp, as_rows); a layout it would
+  // reshape goes to the op.
+  const int64_t N = x.numel() / K;
+  int64_t ld = K, inc = 1;
+  if (x.dim() == 2) {
+    ld = x.stride(0), inc = x.stride(1);
+  } else if (!x.is_contiguous()) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  RECORD_FUNCTION("ulb::linear", std::vector<c10::IValue>());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = h.M;
+  at::Tensor y = at::empty(shape, x.options());
+  const int nthreads = at::get_num_threads();
+  ulb_status st;
+  Py_BEGIN_ALLOW_THREADS;
+  st = linear_fn(blob, nbytes, N, x.const_data_ptr(), xdt, ld, inc, bias ? bias->const_data_ptr() : nullptr, bdt,
+                 y.mutable_data_ptr(), xdt, h.M, nthreads);
+  Py_END_ALLOW_THREADS;
+  if (st != ULB_OK) Py_RETURN_NOTIMPLEMENTED;  // the op raises the kernel's error
+  return THPVariable_Wrap(std::move(y));
+}
+
+PyMethodDef methods[] = {
+    {"bind", bind, METH_O, "bind(path of ulbtorch._C) -> bool: use that module's kernels"},
+    {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear)), METH_FASTCALL,
+     "linear(x, packed, bias, out_features) -> Tensor, or NotImplemented where torch.ops.ulb.linear must run"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_eager", nullptr, -1, methods};
+
+}  // namespace
+
+// Touches nothing of torch, so that importing it under another torch is safe
+// until ulbtorch has compared TORCH_VERSION.
+extern "C" PyObject *PyInit__eager(void) {
+  PyObject *m = PyModule_Create(&module_def);
+  if (m && PyModule_AddStringConstant(m, "TORCH_VERSION", ULB_EAGER_TORCH_VERSION) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,155 @@
+"""The modules' eager fast path (ulbtorch._eager, runtime.eager_linear):
+torch.ops.ulb.linear's results bit for bit where it serves a call, and
+NotImplemented, so that the op runs, wherever it must not."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ulbtorch
+from ulbtorch import ops, runtime
+from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
+
+pytestmark = pytest.mark.skipif(not runtime.eager_fast_path_available(),
+                                reason="ulbtorch._eager not built for this torch")
+
+eager = runtime._eager_linear  # the bound function, whatever the switch says
+
+
+def _blob(gen, fmt, M, K, gs):
+    f = get_format(fmt)
+    codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
+    G = n_groups(normalize_group_size(gs, K, fmt), K)
+    return ops.pack(codes, torch.rand(M, G, generator=gen) + 0.05, fmt, gs)
+
+
+def test_built_for_this_torch():
+    """CI builds from source against the installed torch, so the fast path
+    must be there (a build that lost it would silently run every call
+    through the dispatcher)."""
+    assert ulbtorch._eager.TORCH_VERSION == torch.__version__
+    assert runtime.eager_fast_path()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bit_identical_to_op(gen, fmt, threads):
+    torch.set_num_threads(threads)
+    for M, K, gs in ((1, 7, 0), (70, 200, 32), (129, 1000, 128), (300, 4097, 0)):
+        blob = _blob(gen, fmt, M, K, gs)
+        base = torch.randn(6, 2 * K, generator=gen)
+        for dt in (torch.float32, torch.bfloat16):
+            b = base.to(dt)
+            inputs = {"1 token": b[0, :K], "rows": b[:, :K], "strided rows": b[:, ::2],
+                      "3-D": b[:, :K].contiguous().reshape(2, 3, K), "transposed": b[:, :K].t().contiguous().t()}
+            for bias in (None, torch.randn(M, generator=gen), torch.randn(M, generator=gen).to(torch.bfloat16)):
+                for name, x in inputs.items():
+                    got = eager(x, blob, bias, M)
+                    assert got is not NotImplemented, f"{fmt} {name} {dt}"
+                    want = torch.ops.ulb.linear(x, blob, bias, M)
+                    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), \
+                        f"{fmt} M={M} K={K} gs={gs} {name} {dt} bias={None if bias is None else bias.dtype}"
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _FnMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_leaves_to_the_op_what_it_must(gen):
+    M, K = 40, 96
+    blob = _blob(gen, "int2_sym", M, K, 32)
+    x = torch.randn(3, K, generator=gen)
+    bad_blob = blob.clone()
+    bad_blob[:8] = 0
+    cases = {
+        "subclass": (x.as_subclass(_Sub), blob, None, M),
+        "meta input": (torch.empty(3, K, device="meta"), blob, None, M),
+        "float16": (x.half(), blob, None, M),
+        "int input": (x.long(), blob, None, M),
+        "K mismatch": (x[:, :K - 1], blob, None, M),
+        "out_features": (x, blob, None, M + 1),
+        "huge out_features": (x, blob, None, 1 << 70),
+        "corrupt blob": (x, bad_blob, None, M),
+        "blob of another dtype": (x, blob.view(torch.int8), None, M),
+        "strided bias": (x, blob, torch.randn(2 * M, generator=gen)[::2], M),
+        "bias shape": (x, blob, torch.randn(M + 1, generator=gen), M),
+        "float16 bias": (x, blob, torch.randn(M, generator=gen).half(), M),
+        "non-contiguous 3-D": (torch.randn(3, 2, K, generator=gen).transpose(0, 1), blob, None, M),
+        "empty": (x[:0], blob, None, M),
+        "0-dim": (torch.tensor(1.0), blob, None, M),
+        "not a tensor": (x.tolist(), blob, None, M),
+    }
+    for name, args in cases.items():
+        assert eager(*args) is NotImplemented, name
+    xg = x.clone().requires_grad_()
+    assert eager(xg, blob, None, M) is NotImplemented
+    with torch.no_grad():
+        assert torch.equal(eager(xg, blob, None, M), torch.ops.ulb.linear(x, blob, None, M))
+    with _FnMode():
+        assert eager(x, blob, None, M) is NotImplemented
+    with _DispatchMode():
+        assert eager(x, blob, None, M) is NotImplemented
+    with pytest.raises(TypeError, match="takes"):
+        eager(x, blob, None)
+
+
+def test_module_calls_it_and_falls_back(gen, monkeypatch):
+    lin = torch.nn.Linear(96, 40)
+    m = ulbtorch.Linear2Bit.from_linear(lin)
+    calls = []
+
+    def spy(*args):
+        y = eager(*args)
+        calls.append(y is not NotImplemented)
+        return y
+
+    monkeypatch.setattr(runtime, "eager_linear", spy)
+    x = torch.randn(2, 96, generator=gen)
+    with torch.no_grad():
+        y = m(x)
+    assert calls == [True]
+    with runtime.use_eager_fast_path(False):
+        assert runtime.eager_linear is None
+        want = m(x)
+    assert torch.equal(y, want)
+    # Autograd: the op path with its backward.
+    monkeypatch.setattr(runtime, "eager_linear", spy)
+    xg = x.clone().requires_grad_()
+    m(xg).sum().backward()
+    assert calls == [True, False] and xg.grad is not None
+    # Bad input still raises the op's (or the module's) message.
+    with pytest.raises(ValueError, match="expects 96 input features"):
+        m(torch.randn(2, 95))
+    # Traced by torch.compile: never called, the graph holds the op.
+    calls.clear()
+    out = torch.compile(m, fullgraph=True, backend="eager")(x)
+    assert calls == [] and torch.equal(out, want)
+
+
+def test_profiler_sees_the_call(gen):
+    m = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(64, 32))
+    x = torch.randn(64, generator=gen)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        m(x)
+    assert "ulb::linear" in [e.name for e in prof.events()]
+
+
+def test_not_bound_under_another_torch(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert runtime._load_eager() is None
+
+
+def test_switch():
+    with runtime.use_eager_fast_path(False):
+        assert not runtime.eager_fast_path()
+    assert runtime.eager_fast_path()
