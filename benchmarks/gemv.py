@@ -9,7 +9,8 @@ stream from DRAM as in a real model's decode step; a loop over one matrix
   python benchmarks/gemv.py --quick                    # smoke test: one small model, few reps
   python benchmarks/gemv.py                            # all models and shapes of shapes.json, 1 and 2 threads
   python benchmarks/gemv.py --models llama3-8b --hot   # add hot (single-matrix) columns
-  python benchmarks/gemv.py --module                   # time LinearXBit.forward instead of the raw op
+  python benchmarks/gemv.py --call module              # time LinearXBit.forward (default: its eager call)
+  python benchmarks/gemv.py --call op                  # time torch.ops.ulb.linear (the dispatcher path)
   python benchmarks/gemv.py --prefill                  # also GEMM at N in shapes.json's prefill_tokens
 """
 from __future__ import annotations
@@ -69,12 +70,22 @@ class OursRotation:
             self.items = common.replicate(blobs, self.count)
         self.total_bytes = self.count * self.blob_bytes
 
-    def call(self, x):
+    def call(self, x, how):
         if self.module:
             return lambda m: m(x)
-        M = self.M
-        op = torch.ops.ulb.linear.default  # the overload the modules call
-        return lambda b: op(x, b, None, M)
+        return blob_call(how, x, self.M)
+
+
+def blob_call(how, x, M):
+    """fn(blob) = x W^T through `how`: "eager", the call the modules make first
+    in eager mode (runtime.eager_linear), or "op", torch.ops.ulb.linear."""
+    if how == "eager":
+        eager = ulbtorch.runtime.eager_linear
+        if eager is None:
+            common.die("the eager fast path is off or not built for this torch; use --call op")
+        return lambda b: eager(x, b, None, M)
+    op = torch.ops.ulb.linear.default  # the overload the modules fall back to
+    return lambda b: op(x, b, None, M)
 
 
 def bf16_rotation(M, K, rotate_bytes, min_bytes, gen):
@@ -88,12 +99,12 @@ def time_hot(fn, reps):
     return common.median_time(fn, reps=reps, warmup=2, inner=common.calls_per_sample(est))
 
 
-def call_cost_excess(fmt, reps):
-    """Seconds a call of our op costs beyond a call of the read probe, apart
-    from streaming and forking: both timed hot on work too small to fork, the
-    op on one 64 x 64 panel, the probe on 8 KiB (one unit). The op pays the
-    torch dispatcher, activation quantisation and an output tensor, the probe
-    a ctypes call. A kernel that streamed as fast as the probe would still
+def call_cost_excess(fmt, how, reps):
+    """Seconds a call of ours costs beyond a call of the read probe, apart
+    from streaming and forking: both timed hot on work too small to fork, ours
+    on one 64 x 64 panel, the probe on 8 KiB (one unit). Ours pays its way in
+    (the torch dispatcher for the op), activation quantisation and an output
+    tensor, the probe a ctypes call. A kernel that streamed as fast as the probe would still
     take this much longer per call, so t_stream / (t_stream + excess)
     estimates the most "% stream" that the op can reach on a shape (timed
     hot, the excess is a little smaller than a cold call's)."""
@@ -102,8 +113,8 @@ def call_cost_excess(fmt, reps):
     blob = ulbtorch.ops.pack(codes, scales, fmt, 0)
     x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
     buf = torch.zeros(8 * 1024, dtype=torch.uint8)
-    op = torch.ops.ulb.linear.default
-    t_op = time_hot(lambda: op(x, blob, None, 64), reps)
+    call = blob_call(how, x, 64)
+    t_op = time_hot(lambda: call(blob), reps)
     t_probe = time_hot(lambda: ulbtorch.runtime.read_probe(buf, 1), reps)
     return max(0.0, t_op - t_probe)
 
@@ -132,8 +143,11 @@ def main(argv=None):
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
     p.add_argument("--reps", type=int, default=15, help="timing samples per measurement (median)")
     p.add_argument("--hot", action="store_true", help="also time a single matrix over and over (L3-hot, labelled)")
-    p.add_argument("--module", action="store_true",
-                   help="time LinearXBit.forward (all per-call overhead) instead of torch.ops.ulb.linear")
+    p.add_argument("--call", choices=["eager", "op", "module"], default="eager",
+                   help="what to time: the modules' eager call of the kernel (runtime.eager_linear, default), "
+                        "torch.ops.ulb.linear (the dispatcher path they fall back to), or LinearXBit.forward "
+                        "(all per-call overhead)")
+    p.add_argument("--module", action="store_true", help="same as --call module")
     p.add_argument("--prefill", nargs="?", const="", default=None, metavar="N1,N2",
                    help="also time GEMM at these token counts (default: shapes.json prefill_tokens); hot")
     p.add_argument("--no-gemv", action="store_true", help="skip the N=1 table (with --prefill)")
@@ -144,6 +158,9 @@ def main(argv=None):
     p.add_argument("--json", help="write all rows as JSON here")
     p.add_argument("--markdown", help="write the tables as markdown here")
     args = p.parse_args(argv)
+    if args.module:
+        args.call = "module"
+    args.module = args.call == "module"
 
     shapes_doc = common.load_shapes(args.shapes)
     all_models = shapes_doc["gemv_shapes"]
@@ -169,7 +186,8 @@ def main(argv=None):
 
     common.select_isa(args.isa)
     env = common.print_environment()
-    what = "LinearXBit.forward (module)" if args.module else "torch.ops.ulb.linear (raw op)"
+    what = {"module": "LinearXBit.forward (module)", "op": "torch.ops.ulb.linear (dispatcher)",
+            "eager": "runtime.eager_linear (the modules' eager call)"}[args.call]
     print(f"# ours: {what}, activations {args.act_dtype}; baseline: F.linear bf16; "
           f"cold rotation ~{args.rotate_mib:.0f} MiB (>= {args.min_rotate_mib:.0f} MiB); median of {args.reps}")
 
@@ -216,7 +234,7 @@ def main(argv=None):
                     rots = {fmt: OursRotation(M, K, fmt, args.group_size, rotate_bytes, min_bytes, args.module, gen)
                             for fmt in formats}
                     x = torch.randn(1, K, generator=gen).to(act_dtype)
-                    calls = {fmt: rot.call(x) for fmt, rot in rots.items()}
+                    calls = {fmt: rot.call(x, args.call) for fmt, rot in rots.items()}
                     for nt in threads:
                         torch.set_num_threads(nt)
                         # The same blobs, read with the same pool, split and
@@ -232,7 +250,7 @@ def main(argv=None):
                         bf16_us = 1e6 * t_bf16
                         for f in formats:
                             if not args.module and f not in call_excess:
-                                call_excess[f] = call_cost_excess(f, args.reps)
+                                call_excess[f] = call_cost_excess(f, args.call, args.reps)
                         if args.hot:
                             w0 = wb[0]
                             bf16_hot_us = 1e6 * time_hot(lambda: F.linear(xb, w0), args.reps)
@@ -251,7 +269,7 @@ def main(argv=None):
                                        pct_stream=100 * common.median_ratio(ss, so),
                                        pct_ceiling=None if args.module else 100 * ts / (ts + call_excess[fmt]),
                                        gbps_bf16=M * K * 2 / (bf16_us * 1e-6) / 1e9,
-                                       speedup=bf16_us / us, mode="module" if args.module else "op")
+                                       speedup=bf16_us / us, mode=args.call)
                             if args.hot:
                                 item, call = rot.items[0], calls[fmt]
                                 row["us_hot"] = 1e6 * time_hot(lambda: call(item), args.reps)
@@ -276,13 +294,14 @@ def main(argv=None):
                                 if args.module:
                                     t = time_hot(lambda: mod(xo), args.reps)
                                 else:
-                                    t = time_hot(lambda: torch.ops.ulb.linear(xo, blob, None, M), args.reps)
+                                    call = blob_call(args.call, xo, M)
+                                    t = time_hot(lambda: call(blob), args.reps)
                                 tb = time_hot(lambda: F.linear(xp, w), args.reps)
                                 ops_ = 2 * M * K * n
                                 pre.add(dict(model=model, shape=shape, M=M, K=K, threads=nt, format=fmt, N=n,
                                              us=1e6 * t, us_bf16=1e6 * tb, gops=ops_ / t / 1e9,
                                              gops_bf16=ops_ / tb / 1e9, speedup=tb / t,
-                                             mode="module" if args.module else "op"),
+                                             mode=args.call),
                                         echo=args.no_gemv)
                         del blob, mod, w
     finally:
@@ -309,7 +328,7 @@ def main(argv=None):
                         f"{len(rs)} shapes")
                 if not args.module:
                     low = min(rs, key=lambda r: r["pct_ceiling"])
-                    line += (f"; the op's call cost allows about {low['pct_ceiling']:.0f}% of stream at most "
+                    line += (f"; the call cost allows about {low['pct_ceiling']:.0f}% of stream at most "
                              f"on {low['model']} {low['shape']}")
                 if args.hot:
                     line += f"; hot geomean {common.geomean(r['speedup_hot'] for r in rs):.2f}x"
