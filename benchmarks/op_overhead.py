@@ -1,6 +1,8 @@
 """What the torch op adds to a cold GEMV: one 2-bit matrix copied into a
 ~600 MiB rotation, then in turn every round (common.time_interleaved)
-  - the op, torch.ops.ulb.linear.default(x, blob, None, M), as the modules call it;
+  - the op, torch.ops.ulb.linear.default(x, blob, None, M), as the modules
+    call it when their eager call does not serve (tracing, autograd, ...);
+  - the modules' eager call, ulbtorch.runtime.eager_linear (csrc/eager.cpp);
   - the same C function, ulb_linear, through ctypes with raw pointers and a
     preallocated output (no tensor touched per call);
   - ulb_read_probe through ctypes with raw pointers (the stream roofline).
@@ -51,6 +53,9 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
     nbytes, xp, yp = blob.numel(), x.data_ptr(), y.data_ptr()
     checksum = ctypes.c_uint64()
     op = torch.ops.ulb.linear.default
+    eager = ulbtorch.runtime.eager_linear
+    if eager is None:
+        common.die("the eager fast path is off or not built for this torch")
 
     def c_linear(p):
         if _lib.ulb_linear(p, nbytes, 1, xp, ULB_DT_BF16, K, 1, None, 0, yp, ULB_DT_BF16, M, threads):
@@ -58,20 +63,22 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
 
     expect = op(x, blob, None, M)
     c_linear(ptrs[0])
-    torch.testing.assert_close(y, expect, rtol=0, atol=0)  # the two paths compute the same thing
+    torch.testing.assert_close(y, expect, rtol=0, atol=0)  # the paths compute the same thing
+    assert torch.equal(eager(x, blob, None, M), expect)
     samples: list[list[float]] = []
-    t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (ptrs, c_linear),
+    t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (blobs, lambda b: eager(x, b, None, M)),
+                                 (ptrs, c_linear),
                                  (ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum)))],
                                 reps=reps, samples_out=samples)
-    op_pct = 100 * common.median_ratio(samples[2], samples[0])
-    c_pct = 100 * common.median_ratio(samples[2], samples[1])
-    line = (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:9.1f}  {t[1] * 1e6:11.1f}  {t[2] * 1e6:10.1f}  "
-            f"{op_pct:8.0f}%  {c_pct:10.0f}%")
+    pct = [100 * common.median_ratio(samples[3], samples[i]) for i in range(3)]
+    line = (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:6.1f}  {t[1] * 1e6:8.1f}  {t[2] * 1e6:11.1f}  "
+            f"{t[3] * 1e6:8.1f}  {pct[0]:7.0f}%  {pct[1]:10.0f}%  {pct[2]:6.0f}%")
     if threads < 2:  # one thread runs no parallel region and records no times
-        return line + "            -            -             -              -"
+        return line + "            -             -               -              -"
     op_in, op_out = split_call(blobs, lambda b: op(x, b, None, M), 2)
+    ea_in, ea_out = split_call(blobs, lambda b: eager(x, b, None, M), 2)
     pr_in, pr_out = split_call(ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum)), 0)
-    return line + f"  {op_in:11.1f}  {pr_in:11.1f}  {op_out:12.1f}  {pr_out:13.1f}"
+    return line + f"  {op_in:9.1f}  {pr_in:12.1f}  {op_out:10.1f}  {ea_out:13.1f}  {pr_out:13.1f}"
 
 
 def split_call(items, fn, bits: int) -> tuple[float, float]:
@@ -96,8 +103,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in common.parse_list(args.shapes)]
     threads = common.parse_list(args.threads, int)
     common.print_environment()
-    print("shape       thr  us op  us C (ctypes)  us probe  op/probe  C/probe  op region  probe region"
-          "  op outside  probe outside")
+    print("shape       thr  us op  us eager  us C (ctypes)  us probe  op/probe  eager/probe  C/probe"
+          "  op region  probe region  op outside  eager outside  probe outside")
     for M, K in shapes:
         for n in threads:
             with common.num_threads(n):
