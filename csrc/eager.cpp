@@ -11,9 +11,11 @@
 // the op's own ulb_linear of ulbtorch._C (bound at import, so the thread
 // pool, ISA choice and runtime settings are shared). It returns
 // NotImplemented for anything else: tensor subclasses and fake tensors,
-// active torch function or dispatch modes, inputs that need autograd,
-// non-CPU or unusual layouts, and every input the op would reject. The
-// caller then runs the op, which traces, records and raises as before.
+// functorch-wrapped and functional tensors, active torch function or
+// dispatch modes, dispatch keys switched on for the thread (torch.jit.trace,
+// vmap and grad transforms, autocast), inputs that need autograd, non-CPU or
+// unusual layouts, and every input the op would reject. The caller then runs
+// the op, which traces, records and raises as before.
 //
 // Unlike ulbtorch._C this module uses the classic C++ API of the torch it
 // was built with; ulbtorch binds it only under that same torch version.
@@ -23,8 +25,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -52,8 +57,22 @@ PyObject *bind(PyObject *, PyObject *path) {
   return PyBool_FromLong(linear_fn && header_fn);
 }
 
+// A dense CPU tensor and nothing more: the dispatch keys of one, with or
+// without autograd's, so no wrapper (functorch, functionalisation, Python
+// subclass, conj or neg view) and no other device or layout.
 bool plain_cpu(const at::Tensor &t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_neg() && !t.is_conj();
+  static const c10::DispatchKeySet plain = c10::DispatchKeySet(c10::DispatchKey::CPU) |
+                                           c10::DispatchKeySet(c10::DispatchKey::AutogradCPU) |
+                                           c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView) |
+                                           c10::DispatchKeySet(c10::DispatchKey::AutocastCPU);
+  return plain.isSupersetOf(t.key_set()) && t.layout() == at::kStrided && t.has_storage();
+}
+
+// No dispatch key switched on for this thread beyond the defaults (tracing
+// and functorch transforms add one) and autocast off (it un-excludes one).
+bool default_thread_keys() {
+  return (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() &&
+         !at::autocast::is_autocast_enabled(at::kCPU);
 }
 
 bool act_dtype(at::ScalarType s, ulb_dtype *dt) {
@@ -64,7 +83,7 @@ bool act_dtype(at::ScalarType s, ulb_dtype *dt) {
 
 // linear(x, packed, bias or None, out_features): torch.ops.ulb.linear's
 // result, or NotImplemented where that op should run instead.
-PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
     PyErr_SetString(PyExc_TypeError, "ulbtorch._eager.linear takes (x, packed, bias, out_features)");
     return nullptr;
@@ -72,7 +91,8 @@ PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   if (!linear_fn || !THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) ||
       (args[2] != Py_None && !THPVariable_CheckExact(args[2])) || !PyLong_CheckExact(args[3]))
     Py_RETURN_NOTIMPLEMENTED;
-  if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set())
+  if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+      !default_thread_keys())
     Py_RETURN_NOTIMPLEMENTED;
   const at::Tensor &x = THPVariable_Unpack(args[0]);
   const at::Tensor &packed = THPVariable_Unpack(args[1]);
@@ -117,6 +137,18 @@ PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   Py_END_ALLOW_THREADS;
   if (st != ULB_OK) Py_RETURN_NOTIMPLEMENTED;  // the op raises the kernel's error
   return THPVariable_Wrap(std::move(y));
+}
+
+// No C++ exception may cross into CPython: one that the checks above did not
+// foresee (say, an allocation failing) sends the call to the op, which
+// raises it as a Python error.
+PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  try {
+    return linear_unchecked(args, nargs);
+  } catch (...) {
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;
+  }
 }
 
 PyMethodDef methods[] = {

@@ -103,6 +103,37 @@ def test_leaves_to_the_op_what_it_must(gen):
         eager(x, blob, None)
 
 
+def test_leaves_transforms_tracing_and_autocast_to_the_op(gen):
+    M, K = 40, 96
+    blob = _blob(gen, "int2_sym", M, K, 32)
+    x = torch.randn(3, K, generator=gen)
+    seen = []
+
+    def f(xi):
+        seen.append(eager(xi, blob, None, M))
+        return torch.ops.ulb.linear(xi, blob, None, M)
+
+    torch.func.vmap(f)(x)  # xi: a functorch BatchedTensor
+    torch.func.functionalize(f)(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen.append(eager(x, blob, None, M))
+    assert seen and all(r is NotImplemented for r in seen)
+
+    m = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    traced = torch.jit.trace(m, x, check_trace=False)
+    assert "ulb::linear" in str(traced.graph)
+    assert torch.equal(traced(x), torch.ops.ulb.linear(x, m.packed, m.bias, M))
+
+
+def test_serves_inference_mode(gen):
+    m = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(96, 40))
+    x = torch.randn(2, 96, generator=gen)
+    with torch.inference_mode():
+        xi = x.clone()
+        got = eager(xi, m.packed, m.bias, 40)
+    assert got is not NotImplemented and torch.equal(got, torch.ops.ulb.linear(x, m.packed, m.bias, 40))
+
+
 def test_module_calls_it_and_falls_back(gen, monkeypatch):
     lin = torch.nn.Linear(96, 40)
     m = ulbtorch.Linear2Bit.from_linear(lin)
