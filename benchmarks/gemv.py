@@ -104,10 +104,10 @@ def call_cost_excess(fmt, how, reps):
     from streaming and forking: both timed hot on work too small to fork, ours
     on one 64 x 64 panel, the probe on 8 KiB (one unit). Ours pays its way in
     (the torch dispatcher for the op), activation quantisation and an output
-    tensor, the probe a ctypes call. A kernel that streamed as fast as the probe would still
-    take this much longer per call, so t_stream / (t_stream + excess)
-    estimates the most "% stream" that the op can reach on a shape (timed
-    hot, the excess is a little smaller than a cold call's)."""
+    tensor, the probe a ctypes call. A kernel that streamed as fast as the
+    probe would still take this much longer per call, so t_stream / (t_stream
+    + excess) estimates the most "% stream" that ours can reach on a shape
+    (timed hot, the excess is a little smaller than a cold call's)."""
     gen = torch.Generator().manual_seed(1)
     codes, scales = random_codes_scales(64, 64, fmt, 0, gen)
     blob = ulbtorch.ops.pack(codes, scales, fmt, 0)
