@@ -99,9 +99,14 @@ int main(int argc, char **argv) {
                   threads};
     static bench_times t[3];
     if (bench_interleave(3, rounds, NULL, ab_run, &job, t)) return 2;
-    printf("%s %ldx%ld, N=%ld, %d thread(s), %s, %d rounds of %d blobs: A %.1f%%, B %.1f%% of the read probe; "
-           "B/A speed %.3f (median of per-round ratios)%s%s\n",
-           fi->name, (long)M, (long)K, (long)N, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n,
+    /* The probe's speed tells which kind of minute this was: on the shared VM
+     * of benchmarks/results the same stream reads 25-56 GB/s on two threads. */
+    double probe_s[BENCH_MAX_ROUNDS];
+    for (int r = 0; r < rounds; r++) probe_s[r] = t[0][r + 1];
+    const double probe_gbps = (double)n * (double)nbytes / bench_median(probe_s, rounds) / 1e9;
+    printf("%s %ldx%ld, N=%ld, %d thread(s), %s, %d rounds of %d blobs, probe %.1f GB/s: A %.1f%%, B %.1f%% of "
+           "the read probe; B/A speed %.3f (median of per-round ratios)%s%s\n",
+           fi->name, (long)M, (long)K, (long)N, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n, probe_gbps,
            100 * bench_ratio_median(t[0], t[1], rounds), 100 * bench_ratio_median(t[0], t[2], rounds),
            bench_ratio_median(t[1], t[2], rounds), x_src ? ", x rewritten before each call" : "",
            same ? "" : "; OUTPUTS DIFFER");
