@@ -81,6 +81,7 @@ typedef struct {
     _Atomic int64_t acts_next;       /* first row not yet claimed */
     _Atomic int64_t acts_done;       /* rows quantised */
     _Atomic int acts_status;         /* a ulb_status; the last failure wins */
+    int warm_first;                  /* prefetch before quantising (see acts_ready) */
     ulb_panel_fn panel;
     ulb_store_fn store;
     ulb_out out;
@@ -94,8 +95,8 @@ typedef struct {
 #endif
 
 /* The activations are quantised inside the parallel region: every thread
- * first prefetches the start of its panels, then claims rows of x to
- * quantise until none are left, then waits for the rows others claimed. So
+ * prefetches the start of its panels, claims rows of x to quantise until
+ * none are left, and waits for the rows others claimed. So
  * the weight streams start while the activations are quantised, instead of
  * after it and after the fork, and a prefill's rows are quantised by every
  * thread. A thread waits only once every row is claimed by a thread already
@@ -104,8 +105,18 @@ typedef struct {
  * 0.4-1 MiB 2-bit matrices and +7% on a 0.25 MiB 1-bit one, one thread +1-2%
  * on small matrices, unchanged from 4 MiB; without the prefetch it loses
  * (0.94-0.985x), with 4 or 16 KiB of it 0.98-1.00x. */
-static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end) {
+static void warm(const uint8_t *first, const uint8_t *end) {
     for (int64_t o = 0; o < ULB_WARM_BYTES && o < end - first; o += 64) __builtin_prefetch(first + o, 0, 2);
+}
+
+/* A thread alone prefetches before it quantises, so that its stream starts
+ * under the quantisation (and the 1-bit tables). With other threads waiting
+ * for the activations, a thread quantises first: its loads of x would queue
+ * behind its own prefetches, which cost a one-token call on two threads
+ * 1-4% on 0.2-0.5 MiB matrices in minutes of high bandwidth; alone, that
+ * order loses 1-2% (benchmarks/README.md). */
+static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end) {
+    if (job->warm_first) warm(first, end);
     for (;;) {
         const int64_t r0 = atomic_fetch_add_explicit(&job->acts_next, job->acts_claim, memory_order_relaxed);
         if (r0 >= job->N) break;
@@ -118,6 +129,7 @@ static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end)
          * across cores: 1-2.5% of a one-token call. */
         if (r1 == job->N) break;
     }
+    if (!job->warm_first) warm(first, end);
     while (atomic_load_explicit(&job->acts_done, memory_order_acquire) < job->N) ulb_cpu_relax();
     return atomic_load_explicit(&job->acts_status, memory_order_relaxed) == ULB_OK;
 }
@@ -180,7 +192,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     if (st != ULB_OK) return st;
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
-    linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, ulb_panel_for_isa(isa),
+    linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
                       ulb_store_for_isa(isa), {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;
