@@ -29,7 +29,7 @@ int main(int argc, char **argv) {
         int32_t xsum[ULB_NB_MAX] = {0};
         for (int64_t i = 0; i < ULB_NB_MAX * w.K_pad; i++) xq[i] = (int8_t)(rand() % 255 - 127);
         uint8_t *lut1 = ulb_aligned_alloc(w.ksteps * ULB_LUT1_STEP_BYTES);
-        ulb_lut1_build_avx512(xq, w.ksteps, lut1);
+        if (ulb_lut1_available(ULB_ISA_AVX512)) ulb_lut1_build_avx512(xq, w.ksteps, lut1); /* AVX-512 code */
         float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
         for (int isa = ULB_ISA_AVX2; isa <= ULB_ISA_AVX512; isa++) {
             if (!ulb_isa_supported(isa)) continue;
