@@ -63,6 +63,10 @@ static inline const uint8_t *ulb_group_base(const ulb_weight *w, int64_t p, int 
     return w->panels + ulb_panel_offset(w->ksteps, w->n_groups, p) + ulb_group_offset(nt, w->gsteps, g);
 }
 
+/* ulb_prefetch_resolve as if `isa` were active (the read probe asks for the
+ * AVX-512 distance on every CPU). */
+int64_t ulb_prefetch_resolve_for(ulb_isa isa, int bits, int nthreads, int64_t group_code_bytes);
+
 typedef struct {
     const int8_t *xq;    /* N x ldq, zero padded to K_pad */
     int64_t ldq;

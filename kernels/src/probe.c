@@ -46,7 +46,7 @@ static void probe_range(void *ctx, int64_t u0, int64_t u1) {
 
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum) {
     if (!p || nbytes < 0 || ((uintptr_t)p % 8)) return ULB_ERR_SHAPE;
-    probe_job job = {p, nbytes, ulb_prefetch_resolve(2, nthreads, INT64_MAX), 0};
+    probe_job job = {p, nbytes, ulb_prefetch_resolve_for(ULB_ISA_AVX512, 2, nthreads, INT64_MAX), 0};
     ulb_status st = ulb_parallel(ULB_SCHED_PROBE, nthreads, (nbytes + PROBE_UNIT - 1) / PROBE_UNIT,
                                  probe_range, &job);
     if (checksum) *checksum = atomic_load(&job.sum);
