@@ -36,6 +36,7 @@ import ulbtorch  # noqa: E402
 from ulbtorch.runtime import _lib  # noqa: E402
 
 ULB_DT_BF16 = 1  # ulb_dtype in kernels/include/ulb/ulb.h
+PARALLEL_MIN_BYTES = 64 * 1024  # ULB_PARALLEL_MIN_BYTES in kernels/src/internal.h
 _lib.ulb_linear.restype = ctypes.c_int
 _lib.ulb_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -73,7 +74,9 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
     pct = [100 * common.median_ratio(samples[3], samples[i]) for i in range(3)]
     line = (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:6.1f}  {t[1] * 1e6:8.1f}  {t[2] * 1e6:11.1f}  "
             f"{t[3] * 1e6:8.1f}  {pct[0]:7.0f}%  {pct[1]:10.0f}%  {pct[2]:6.0f}%")
-    if threads < 2:  # one thread runs no parallel region and records no times
+    # One thread, or a matrix under the kernels' 64 KiB threshold for forking
+    # (ULB_PARALLEL_MIN_BYTES), runs no parallel region and records no times.
+    if threads < 2 or nbytes < PARALLEL_MIN_BYTES:
         return line + "            -             -               -              -"
     op_in, op_out = split_call(blobs, lambda b: op(x, b, None, M), 2)
     ea_in, ea_out = split_call(blobs, lambda b: eager(x, b, None, M), 2)

@@ -282,6 +282,8 @@ def main(argv=None):
             ("pct_beta", "% beta", ".0f"), ("pct_model", "% model", ".0f"), ("pct_model_ovh", "% model+ovh", ".0f")]
     widths = dict(model=max(map(len, models)), shape=11, rot=13, format=8, threads=3)
     cold = common.Table(cols, title=f"Cold GEMV N=1 (ISA {cold_isa}): measured vs modelled vs beta", min_widths=widths)
+    # The modules' call (gemv.py's default), or the op where that is not built.
+    cold_call = "eager" if ulbtorch.runtime.eager_linear is not None else "op"
     prev_threads = torch.get_num_threads()
     try:
         for model in models:
@@ -289,7 +291,7 @@ def main(argv=None):
                 for fmt in formats:
                     rot = OursRotation(M, K, fmt, 0, rotate_bytes, min_bytes, False, gen)
                     x = torch.randn(1, K, generator=gen).to(act_dtype)
-                    call = rot.call(x)
+                    call = rot.call(x, cold_call)
                     for nt in threads:
                         torch.set_num_threads(nt)
                         t = common.time_rotating(rot.items, call, reps=args.reps)
