@@ -2,6 +2,7 @@
 quickest mode (small rotations, few repetitions; the numbers are not looked
 at). A refactor once left roofline.py calling an old signature, which only a
 full benchmark run would have shown."""
+import json
 import os
 import subprocess
 import sys
@@ -10,18 +11,36 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
+# The scripts read ../shared/bench/shapes.json beside the repo by default;
+# CI's clone may have none, so they get this smaller file in its format.
+SHAPES = {
+    "gemv_shapes": {"smollm2-135m": [[576, 576], [192, 576]], "falcon3-1b": [[1024, 2048], [2048, 2048]]},
+    "prefill_tokens": [32],
+    "configs": {"falcon3-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 18,
+                               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                               "vocab_size": 131072}},
+}
+
 RUNS = {
-    "gemv": (["gemv.py", "--quick", "--threads", "1,2"], "GEMV cold int2_sym 2 thr"),
-    "roofline": (["roofline.py", "--quick", "--formats", "int2_sym,binary"], "cold median"),
+    "gemv": (["gemv.py", "--quick", "--threads", "1,2", "--shapes", "{shapes}"], "GEMV cold int2_sym 2 thr"),
+    "roofline": (["roofline.py", "--quick", "--formats", "int2_sym,binary", "--shapes", "{shapes}"], "cold median"),
     "scheduler": (["scheduler.py", "--quick"], "Static equal split vs dynamic split"),
     "op_overhead": (["op_overhead.py", "--shapes", "512x512", "--threads", "2", "--reps", "2"], "512x512"),
-    "decode": (["decode.py", "--quick"], "tok/s"),
+    "decode": (["decode.py", "--quick", "--shapes", "{shapes}"], "tok/s"),
 }
 
 
+@pytest.fixture(scope="module")
+def shapes_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shapes") / "shapes.json"
+    path.write_text(json.dumps(SHAPES))
+    return str(path)
+
+
 @pytest.mark.parametrize("name", list(RUNS))
-def test_benchmark_runs(name, tmp_path):
+def test_benchmark_runs(name, tmp_path, shapes_file):
     args, expect = RUNS[name]
+    args = [a.format(shapes=shapes_file) for a in args]
     proc = subprocess.run([sys.executable, os.path.join(BENCH, args[0]), *args[1:]], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
