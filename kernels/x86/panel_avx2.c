@@ -3,7 +3,8 @@
  * time (two 8-row halves), so each pass reads one sequential stream.
  * Exact in 16 bits: the products of all fields of a half tile are summed in
  * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit),
- * 8 * 2*1*128 = 2048 (1-bit) or 2 * 2*15*128 = 7680 (4-bit) in magnitude. 8-bit codes (up to 254) would
+ * 8 * 2*1*128 = 2048 (1-bit, several tokens; one token: one_token_1bit) or
+ * 2 * 2*15*128 = 7680 (4-bit) in magnitude. 8-bit codes (up to 254) would
  * saturate vpmaddubsw's pair sums, so they go in as two nibbles, q = lo +
  * 16 hi, each pair sum at most 2*15*128. Must match ref/panel_ref.c bit for
  * bit. */
@@ -33,12 +34,12 @@ ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
  * back exactly (an arithmetic shift of a multiple of 2^s) when widened. Slot
  * 3 gains from -4096 (all x = -128) to 4064 per k-step, so 8 k-steps fit
  * 16 bits exactly (tests/test_kernels.py, extremes): the loop runs tile by
- * tile over chunks of 8. 25
- * vector operations per 32 bytes of codes instead of 32: 1.31x faster in
- * cache on Zen 3 (kernel_hot: 9.7 -> 12.7 GB/s of codes), where logic, adds
- * and multiplies share three pipes. Broadcasting a chunk's activations once
- * into memory for all its tiles, or taking the halves of a tile one at a
- * time (no spills), measured 11.7 and 12.5. */
+ * tile over chunks of 8. 25 vector operations per 32 bytes of codes instead
+ * of 32: 1.31x faster in cache on Zen 3 (kernel_hot: 9.7 -> 12.7 GB/s of
+ * codes), where logic, adds and multiplies share three pipes. Broadcasting a
+ * chunk's activations once into memory for all its tiles, or taking the
+ * halves of a tile one at a time (no spills), measured 11.7 and 12.5; other
+ * 1-bit kernels tried: benchmarks/results/README.md, Zen 3. */
 #define ONE_BIT_CHUNK 8
 ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1, const int nt, const int8_t *x,
                                   int64_t pf_dist, const uint8_t *pf_end, __m256i acc[ULB_PANEL_TILES][2]) {
