@@ -164,8 +164,8 @@ int ulb_lut1_available(ulb_isa isa); /* whether this CPU can run it under `isa` 
  * code width (bits 1, 2, 4 or 8): a distance in bytes (a multiple of 64 up
  * to 1 MiB; 0 = no software prefetch, the hardware prefetcher alone) or
  * ULB_PREFETCH_AUTO, the default, which picks one per call by CPU vendor,
- * active ISA, thread count and group length (kernels/src/prefetch.c gives the rule and
- * its measurements). A speed setting only: results are the same bits
+ * active ISA, thread count and group length (kernels/src/prefetch.c gives
+ * the rule and its measurements). A speed setting only: results are the same bits
  * whatever it is. Env ULB_PREFETCH_1BIT, _2BIT, _4BIT, _8BIT (bytes or
  * "auto") set it at load. ulb_prefetch_set returns ULB_ERR_SHAPE for another
  * value, ulb_prefetch_get for a NULL bytes, and both ULB_ERR_FORMAT for
