@@ -176,7 +176,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="also run each variant with torch.compile(model.forward)")
     p.add_argument("--profile", action="store_true",
                    help="share of decode time in linear layers (bf16) / ulb ops (quantized) and the Amdahl bound")
-    p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
+    p.add_argument("--isa", choices=ulbtorch.runtime.ISAS, help="force one kernel ISA")
     p.add_argument("--thread-pool", choices=["torch", "ulb"], default="torch",
                    help="where ulbtorch's parallel regions run: PyTorch's intra-op threads (default) "
                         "or ulbtorch's own pool")

@@ -151,7 +151,7 @@ def main(argv=None):
     p.add_argument("--prefill", nargs="?", const="", default=None, metavar="N1,N2",
                    help="also time GEMM at these token counts (default: shapes.json prefill_tokens); hot")
     p.add_argument("--no-gemv", action="store_true", help="skip the N=1 table (with --prefill)")
-    p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
+    p.add_argument("--isa", choices=ulbtorch.runtime.ISAS, help="force one kernel ISA")
     p.add_argument("--bw-mib", type=int, default=512, help="buffer size of the read-bandwidth probe (MiB)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: smollm2-135m only, 3 reps, 64 MiB rotations (indicative numbers only)")

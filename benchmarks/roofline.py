@@ -184,9 +184,10 @@ def main(argv=None):
                    help=f"comma-separated models of shapes.json (default {DEFAULT_MODELS})")
     p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     p.add_argument("--formats", default="int2_sym,ternary,binary", help="default int2_sym,ternary,binary")
-    p.add_argument("--isas", default="avx512,avx2",
-                   help="ISAs whose in-cache gamma is measured (unsupported ones are skipped; default avx512,avx2)")
-    p.add_argument("--isa", choices=["avx512", "avx2", "scalar"],
+    p.add_argument("--isas", default="avx512,avxvnni,avx2",
+                   help="ISAs whose in-cache gamma is measured (unsupported ones are skipped; default "
+                        "avx512,avxvnni,avx2)")
+    p.add_argument("--isa", choices=ulbtorch.runtime.ISAS,
                    help="ISA of the cold GEMV measurements (default: the library's default)")
     p.add_argument("--gamma-shape", default="256x4096",
                    help="M x K of the in-cache matrix (default 256x4096: 256 KiB at 2 bits, in L2)")

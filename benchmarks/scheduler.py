@@ -181,7 +181,7 @@ def main(argv=None):
     p.add_argument("--no-baseline", action="store_true", help="skip the equal-cores scenario")
     p.add_argument("--rotate-mib", type=float, default=600, help="target size of the cold rotation (MiB)")
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
-    p.add_argument("--isa", choices=["avx512", "avx2", "scalar"], help="force one kernel ISA")
+    p.add_argument("--isa", choices=runtime.ISAS, help="force one kernel ISA")
     p.add_argument("--quick", action="store_true", help="smoke test: 20 calls, 3 warmup, 64 MiB rotation")
     p.add_argument("--json", help="write all rows as JSON here")
     p.add_argument("--markdown", help="write the tables as markdown here")

@@ -29,13 +29,13 @@ def test_automatic_rule():
     assert [runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS] == ["auto"] * 4
     intel = _cpu_vendor() == "GenuineIntel"
     resolve = runtime.resolved_prefetch_distance
-    for isa in [i for i in ("avx2", "avx512") if i in KERNELS]:
+    for isa in [i for i in ("avx2", "avxvnni", "avx512") if i in KERNELS]:
         with runtime.use_isa(isa):
             for threads in (1, 2, 16):
                 for group in (2048, 40960, 41024, 1 << 30):
                     assert resolve(1, threads, group) == 16384
                     short = threads == 1 and group <= 40960
-                    always = intel or isa == "avx2"  # the AVX2 kernels prefetch on every CPU
+                    always = intel or isa in ("avx2", "avxvnni")  # the AVX2 kernels prefetch on every CPU
                     for bits in (2, 4, 8):
                         want = 8192 if always or short else 0
                         assert resolve(bits, threads, group) == want, (isa, bits, threads, group)

@@ -13,7 +13,7 @@ from . import _C
 
 _lib = ctypes.CDLL(_C.__file__)
 _MAX_THREADS = 64
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avxvnni")  # ulb_isa in kernels/include/ulb/ulb.h
 
 
 class _SchedStats(ctypes.Structure):

@@ -31,7 +31,7 @@ int main(int argc, char **argv) {
         uint8_t *lut1 = ulb_aligned_alloc(w.ksteps * ULB_LUT1_STEP_BYTES);
         if (ulb_lut1_available(ULB_ISA_AVX512)) ulb_lut1_build_avx512(xq, w.ksteps, lut1); /* AVX-512 code */
         float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
-        for (int isa = ULB_ISA_AVX2; isa <= ULB_ISA_AVX512; isa++) {
+        for (int isa = ULB_ISA_AVX2; isa < ULB_ISA_COUNT; isa++) {
             if (!ulb_isa_supported(isa)) continue;
             ulb_panel_fn fn = ulb_panel_for_isa(isa);
             /* 1-bit one-token calls also with the lookup tables (ulb_lut1_enable). */

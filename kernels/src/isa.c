@@ -1,4 +1,4 @@
-/* ISA selection: once, at load (CPUID, or env ULB_ISA=scalar|avx2|avx512);
+/* ISA selection: once, at load (CPUID, or env ULB_ISA=scalar|avx2|avx512|avxvnni);
  * tests switch explicitly with ulb_isa_set to cover every path. */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -7,10 +7,10 @@
 
 #include "internal.h"
 
-static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2", "avx512", "avxvnni"};
 
 const char *ulb_isa_name(ulb_isa isa) {
-    return (unsigned)isa <= ULB_ISA_AVX512 ? ISA_NAMES[isa] : "unknown";
+    return (unsigned)isa < ULB_ISA_COUNT ? ISA_NAMES[isa] : "unknown";
 }
 
 int ulb_isa_supported(ulb_isa isa) {
@@ -22,6 +22,12 @@ int ulb_isa_supported(ulb_isa isa) {
     case ULB_ISA_AVX512:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case ULB_ISA_AVXVNNI:
+#ifdef ULB_EMULATE_AVXVNNI /* panel_avxvnni.c: vpdpbusd from AVX2, for tests */
+        return ulb_isa_supported(ULB_ISA_AVX2);
+#else
+        return ulb_isa_supported(ULB_ISA_AVX2) && __builtin_cpu_supports("avxvnni");
+#endif
     }
     return 0;
 #else
@@ -36,12 +42,13 @@ static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 static void isa_init(void) {
     ulb_isa best = ULB_ISA_SCALAR;
     if (ulb_isa_supported(ULB_ISA_AVX2)) best = ULB_ISA_AVX2;
+    if (ulb_isa_supported(ULB_ISA_AVXVNNI)) best = ULB_ISA_AVXVNNI;
     if (ulb_isa_supported(ULB_ISA_AVX512)) best = ULB_ISA_AVX512;
     const char *lut = getenv("ULB_LUT1");
     if (lut && !strcmp(lut, "0")) atomic_store(&lut1_on, 0);
     const char *env = getenv("ULB_ISA");
     if (env)
-        for (int i = 0; i <= ULB_ISA_AVX512; i++)
+        for (int i = 0; i < ULB_ISA_COUNT; i++)
             if (!strcmp(env, ISA_NAMES[i]) && ulb_isa_supported((ulb_isa)i)) best = (ulb_isa)i;
     atomic_store(&active_isa, (int)best);
 }
@@ -53,7 +60,7 @@ ulb_isa ulb_isa_active(void) {
 
 ulb_status ulb_isa_set(ulb_isa isa) {
     pthread_once(&isa_once, isa_init);
-    if ((unsigned)isa > ULB_ISA_AVX512 || !ulb_isa_supported(isa)) return ULB_ERR_ISA;
+    if ((unsigned)isa >= ULB_ISA_COUNT || !ulb_isa_supported(isa)) return ULB_ERR_ISA;
     atomic_store(&active_isa, (int)isa);
     return ULB_OK;
 }
@@ -82,6 +89,7 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
 #if defined(__x86_64__)
     case ULB_ISA_AVX512: return ulb_panel_avx512;
     case ULB_ISA_AVX2: return ulb_panel_avx2;
+    case ULB_ISA_AVXVNNI: return ulb_panel_avxvnni;
 #endif
     default: return ulb_panel_ref;
     }
@@ -99,7 +107,8 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
     case ULB_ISA_AVX512: return ulb_quant_row_avx512;
-    case ULB_ISA_AVX2: return ulb_quant_row_avx2;
+    case ULB_ISA_AVX2:
+    case ULB_ISA_AVXVNNI: return ulb_quant_row_avx2;
 #endif
     default: return ulb_quant_row_ref;
     }
@@ -109,7 +118,8 @@ ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
     case ULB_ISA_AVX512: return ulb_gemv_bf16_rows_avx512;
-    case ULB_ISA_AVX2: return ulb_gemv_bf16_rows_avx2;
+    case ULB_ISA_AVX2:
+    case ULB_ISA_AVXVNNI: return ulb_gemv_bf16_rows_avx2;
 #endif
     default: return ulb_gemv_bf16_rows_ref;
     }

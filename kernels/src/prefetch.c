@@ -22,7 +22,8 @@
  *   int4 with groups of 32 1.06-1.13x). On two threads 8 KiB ran 0.95-0.97x,
  *   and on one thread at K = 4096 (64 KiB groups) 0.91-0.99x through the op,
  *   so none there.
- * - 2, 4 and 8 bits under the AVX2 kernels, every CPU: 8 KiB. Without
+ * - 2, 4 and 8 bits under the AVX2 kernels (and their AVX-VNNI build, not
+ *   measured: no such CPU here), every CPU: 8 KiB. Without
  *   vpdpbusd they spend ~2x the instructions per byte of the AVX-512 ones,
  *   like the 1-bit kernels, and stream only with it: on a Zen 3 VM (AVX2
  *   only) a 2-bit cold GEMV ran 1.36x faster with it at 4096x4096 on one
@@ -99,7 +100,7 @@ int64_t ulb_prefetch_resolve_for(ulb_isa isa, int bits, int nthreads, int64_t gr
     if (ulb_prefetch_get(bits, &d) != ULB_OK) return 0;
     if (d != ULB_PREFETCH_AUTO) return d;
     if (bits == 1) return 16384;
-    if (intel || isa == ULB_ISA_AVX2) return 8192;
+    if (intel || isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI) return 8192;
     return nthreads <= 1 && group_code_bytes <= SHORT_GROUP_BYTES ? 8192 : 0;
 }
 

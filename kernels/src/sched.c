@@ -43,7 +43,8 @@ static int family_base(int bits) {
 
 int ulb_sched_family(int bits, ulb_isa isa) {
     const int base = family_base(bits);
-    return (base < 0 ? ULB_SCHED_BF16 : base) + (int)isa;
+    /* The AVX-VNNI kernels are the AVX2 ones with another multiply: one table. */
+    return (base < 0 ? ULB_SCHED_BF16 : base) + (int)(isa == ULB_ISA_AVXVNNI ? ULB_ISA_AVX2 : isa);
 }
 
 static void reset_table(table *t, int n) {
@@ -122,7 +123,7 @@ double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
 void ulb_sched_after_fork(void) { pthread_mutex_init(&lock, NULL); }
 
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
-    if ((bits != 0 && family_base(bits) < 0) || (unsigned)isa > ULB_ISA_AVX512) return ULB_ERR_FORMAT;
+    if ((bits != 0 && family_base(bits) < 0) || (unsigned)isa >= ULB_ISA_COUNT) return ULB_ERR_FORMAT;
     pthread_mutex_lock(&lock);
     const table *t = &tables[bits == 0 ? ULB_SCHED_PROBE : ulb_sched_family(bits, isa)];
     memset(out, 0, sizeof *out);

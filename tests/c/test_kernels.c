@@ -31,9 +31,9 @@ static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
     }
     float *x = malloc(N * K * 4);
     for (int64_t i = 0; i < N * K; i++) x[i] = ((int)(rnd() % 2001) - 1000) * 1e-3f;
-    float *y[3];
+    float *y[ULB_ISA_COUNT];
     int fails = 0;
-    for (int isa = 0; isa < 3; isa++) {
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++) {
         y[isa] = calloc(N * M, 4);
         if (!ulb_isa_supported(isa)) continue;
         ulb_isa_set(isa);
@@ -45,7 +45,7 @@ static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
             fails++;
         }
     }
-    for (int isa = 0; isa < 3; isa++) free(y[isa]);
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++) free(y[isa]);
     free(codes); free(codes2); free(blob); free(sc); free(sc2); free(x);
     return fails;
 }
@@ -59,9 +59,9 @@ static int check_bf16(int64_t M, int64_t K, int64_t ldw, int64_t incx) {
     for (int64_t i = 0; i < M * ldw; i++) w[i] = rnd_bf16();
     for (int64_t i = 0; i < K * incx; i++) x[i] = rnd_bf16();
     for (int64_t i = 0; i < M; i++) b[i] = rnd_bf16();
-    float *y[3];
+    float *y[ULB_ISA_COUNT];
     int fails = 0;
-    for (int isa = 0; isa < 3; isa++) {
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++) {
         y[isa] = calloc(M, 4);
         if (!ulb_isa_supported(isa)) continue;
         ulb_isa_set(isa);
@@ -72,7 +72,7 @@ static int check_bf16(int64_t M, int64_t K, int64_t ldw, int64_t incx) {
             fails++;
         }
     }
-    for (int isa = 0; isa < 3; isa++) free(y[isa]);
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++) free(y[isa]);
     free(w); free(x); free(b);
     return fails;
 }
@@ -99,6 +99,9 @@ int main(void) {
         fails += check(ULB_FMT_INT4, Ms[a], 257, 24, Ns[c]);
         n += 2;
     }
-    printf("%d passed, %d failed\n", n - fails, fails);
+    printf("ISAs run:");
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++)
+        if (ulb_isa_supported(isa)) printf(" %s", ulb_isa_name(isa));
+    printf("\n%d passed, %d failed\n", n - fails, fails);
     return fails != 0;
 }

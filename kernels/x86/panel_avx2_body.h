@@ -1,0 +1,262 @@
+/* Body of the AVX2 microkernels (1-, 2-, 4- and 8-bit codes) for CPUs
+ * without AVX-512, compiled twice: panel_avx2.c (ULB_AVX2_VNNI 0) and
+ * panel_avxvnni.c (ULB_AVX2_VNNI 1), each under its own target, which names
+ * the entry point ULB_PANEL_AVX2_FN.
+ * u8 codes x s8 activations with vpmaddubsw + vpmaddwd, or with AVX-VNNI's
+ * vpdpbusd for the fields of 1-, 2- and 4-bit codes. One 16-row tile at a
+ * time (two 8-row halves), so each pass reads one sequential stream.
+ * Exact in 16 bits: the products of all fields of a half tile are summed in
+ * 16 bits before widening: at most 4 * 2*3*128 = 3072 (2-bit),
+ * 8 * 2*1*128 = 2048 (1-bit, several tokens; one token: one_token_1bit) or
+ * 2 * 2*15*128 = 7680 (4-bit) in magnitude. 8-bit codes (up to 254) would
+ * saturate vpmaddubsw's pair sums, so they go in as two nibbles, q = lo +
+ * 16 hi, each pair sum at most 2*15*128. Must match ref/panel_ref.c bit for
+ * bit. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "../src/internal.h"
+
+#if ULB_AVX2_VNNI
+/* acc + the four u8 x s8 products of each dword, in 32 bits (vpdpbusd). */
+ALWAYS_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
+#ifdef ULB_EMULATE_AVXVNNI
+    /* The same sums from AVX2 alone, for testing where AVX-VNNI is absent:
+     * even and odd bytes widened to 16 bits (u zero-, x sign-extended), each
+     * pair summed exactly by vpmaddwd. */
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    const __m256i even = _mm256_madd_epi16(_mm256_and_si256(u, lo8), _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8));
+    const __m256i odd = _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(x, 8));
+    return _mm256_add_epi32(acc, _mm256_add_epi32(even, odd));
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#endif
+}
+#endif
+
+ALWAYS_INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* Field f of a half tile brought down to 0..(2^bits - 1): the VNNI4 u8
+ * operand of k-quad f for 8 rows. */
+ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
+    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1));
+    return _mm256_and_si256(f ? _mm256_srli_epi16(v, bits * f) : v, mask);
+}
+
+/* One token, 1-bit codes, one group: acc[t][h] = sum over k-steps [ks0, ks1)
+ * of q . x for the 8 rows of half h of tile t. Bit s of a byte masked in
+ * place is 2^s q, so fields s and 4 + s (the latter from v >> 4) share slot
+ * s: four 16-bit slot sums per half tile, no shift per field, each scaled
+ * back exactly (an arithmetic shift of a multiple of 2^s) when widened. Slot
+ * 3 gains from -4096 (all x = -128) to 4064 per k-step, so 8 k-steps fit
+ * 16 bits exactly (tests/test_kernels.py, extremes): the loop runs tile by
+ * tile over chunks of 8. 25 vector operations per 32 bytes of codes instead
+ * of 32: 1.31x faster in cache on Zen 3 (kernel_hot: 9.7 -> 12.7 GB/s of
+ * codes), where logic, adds and multiplies share three pipes. Broadcasting a
+ * chunk's activations once into memory for all its tiles, or taking the
+ * halves of a tile one at a time (no spills), measured 11.7 and 12.5; other
+ * 1-bit kernels tried: benchmarks/results/README.md, Zen 3. */
+#define ONE_BIT_CHUNK 8
+ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1, const int nt, const int8_t *x,
+                                  int64_t pf_dist, const uint8_t *pf_end, __m256i acc[ULB_PANEL_TILES][2]) {
+    const __m256i ones16 = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+    for (int64_t c0 = ks0; c0 < ks1; c0 += ONE_BIT_CHUNK) {
+        const int64_t c1 = c0 + ONE_BIT_CHUNK < ks1 ? c0 + ONE_BIT_CHUNK : ks1;
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m256i slot[2][4];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) slot[h][0] = slot[h][1] = slot[h][2] = slot[h][3] = _mm256_setzero_si256();
+            for (int64_t ks = c0; ks < c1; ks++) {
+                const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
+                ulb_prefetch_ahead(tile, pf_dist, pf_end);
+                const int8_t *xk = x + ks * 32;
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)tile);
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(tile + 32));
+                const __m256i hi0 = _mm256_srli_epi16(v0, 4), hi1 = _mm256_srli_epi16(v1, 4);
+#pragma GCC unroll 4
+                for (int s = 0; s < 4; s++) {
+                    const __m256i m = _mm256_set1_epi8((char)(1 << s));
+                    const __m256i xl = bcast4(xk + 4 * s), xh = bcast4(xk + 16 + 4 * s);
+                    slot[0][s] = _mm256_add_epi16(slot[0][s], _mm256_maddubs_epi16(_mm256_and_si256(v0, m), xl));
+                    slot[1][s] = _mm256_add_epi16(slot[1][s], _mm256_maddubs_epi16(_mm256_and_si256(v1, m), xl));
+                    slot[0][s] = _mm256_add_epi16(slot[0][s], _mm256_maddubs_epi16(_mm256_and_si256(hi0, m), xh));
+                    slot[1][s] = _mm256_add_epi16(slot[1][s], _mm256_maddubs_epi16(_mm256_and_si256(hi1, m), xh));
+                }
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256i c = _mm256_add_epi16(
+                    _mm256_add_epi16(slot[h][0], _mm256_srai_epi16(slot[h][1], 1)),
+                    _mm256_add_epi16(_mm256_srai_epi16(slot[h][2], 2), _mm256_srai_epi16(slot[h][3], 3)));
+                acc[t][h] = _mm256_add_epi32(acc[t][h], _mm256_madd_epi16(c, ones16));
+            }
+        }
+    }
+}
+
+/* Tiles [t0, t0 + tc) of panel p (nt tiles per k-step), nb
+ * tokens. One token takes all tiles of a k-step at once, reading the panel as
+ * the single stream it is; several tokens take one tile at a time so their
+ * accumulators stay in the 16 registers. */
+ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
+                              const int tc, const ulb_acts *a, int64_t n0, float *facc,
+                              int32_t *dots, const int nb, const int bits, const int prefetch) {
+    const int fields = 8 / bits, kt = 32 / bits;
+    const int64_t pf_dist = prefetch ? a->prefetch_dist : 0; /* see panel_bits */
+    const int8_t *x[ULB_NB_MAX];
+    for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
+    const __m256i ones16 = _mm256_set1_epi16(1), sixteens16 = _mm256_set1_epi16(16);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i va = _mm256_set1_epi32(w->level_a);
+    __m256 out[ULB_NB_MAX][ULB_PANEL_TILES][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < nb; j++)
+#pragma GCC unroll 4
+        for (int t = 0; t < tc; t++) out[j][t][0] = out[j][t][1] = _mm256_setzero_ps();
+
+    for (int64_t g = 0; g < w->n_groups; g++) {
+        const int64_t ks0 = g * w->gsteps;
+        const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        const uint8_t *group = ulb_group_base(w, p, nt, g);
+        const float *scales = (const float *)group;
+        const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
+        /* As far ahead of the scales as the tile loop prefetches ahead of codes. */
+        if (t0 == 0)
+            for (int t = 0; t < nt; t++) ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, pf_dist, a->prefetch_end);
+        __m256i acc[ULB_NB_MAX][ULB_PANEL_TILES][2];
+#pragma GCC unroll 4
+        for (int j = 0; j < nb; j++)
+#pragma GCC unroll 4
+            for (int t = 0; t < tc; t++) acc[j][t][0] = acc[j][t][1] = _mm256_setzero_si256();
+        /* With vpdpbusd the field loop below takes 23 operations per 32 bytes of
+         * 1-bit codes, as few as the slots. */
+        if (bits == 1 && nb == 1 && !ULB_AVX2_VNNI)
+            one_token_1bit(codes, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0]);
+        else for (int64_t ks = ks0; ks < ks1; ks++) {
+#pragma GCC unroll 4
+            for (int t = 0; t < tc; t++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t *half = codes + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
+                    if (h == 0) ulb_prefetch_ahead(half, pf_dist, a->prefetch_end);
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)half);
+#if !ULB_AVX2_VNNI
+                    __m256i p[ULB_NB_MAX];
+#endif
+                    if (bits == 8) {
+                        const __m256i lo = _mm256_and_si256(v, nibble);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 4
+                        for (int j = 0; j < nb; j++) {
+                            const __m256i xj = bcast4(x[j] + ks * kt);
+                            acc[j][t][h] = _mm256_add_epi32(
+                                acc[j][t][h],
+                                _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xj), ones16),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xj), sixteens16)));
+                        }
+                        continue;
+                    }
+#pragma GCC unroll 8
+                    for (int f = 0; f < fields; f++) {
+                        const __m256i u = field(v, f, bits);
+#pragma GCC unroll 4
+                        for (int j = 0; j < nb; j++) {
+#if ULB_AVX2_VNNI
+                            acc[j][t][h] = dpbusd(acc[j][t][h], u, bcast4(x[j] + ks * kt + 4 * f));
+#else
+                            const __m256i pf = _mm256_maddubs_epi16(u, bcast4(x[j] + ks * kt + 4 * f));
+                            p[j] = f ? _mm256_add_epi16(p[j], pf) : pf;
+#endif
+                        }
+                    }
+#if !ULB_AVX2_VNNI
+#pragma GCC unroll 4
+                    for (int j = 0; j < nb; j++)
+                        acc[j][t][h] = _mm256_add_epi32(acc[j][t][h], _mm256_madd_epi16(p[j], ones16));
+#endif
+                }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < nb; j++) {
+            const __m256i vb =
+                _mm256_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
+#pragma GCC unroll 4
+            for (int t = 0; t < tc; t++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const int64_t r = (t0 + t) * ULB_TILE + 8 * h; /* row within the panel */
+                    const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][t][h], va), vb);
+                    const __m256 s = _mm256_loadu_ps(scales + r);
+                    out[j][t][h] = _mm256_add_ps(out[j][t][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
+                    if (dots)
+                        _mm256_storeu_si256(
+                            (__m256i *)(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + r), dot);
+                }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < nb; j++)
+#pragma GCC unroll 4
+        for (int t = 0; t < tc; t++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + (t0 + t) * ULB_TILE + 8 * h, out[j][t][h]);
+}
+
+#define ULB_ONE_TOKEN(BITS, PF, NT)                                                                \
+    case NT:                                                                                       \
+        tiles_body(w, p, ntiles, 0, NT, a, n0, facc, dots, 1, BITS, PF);                           \
+        return;
+#define ULB_TOKENS(BITS, PF, NB)                                                                   \
+    case NB:                                                                                       \
+        for (int t = 0; t < ntiles; t++)                                                           \
+            tiles_body(w, p, ntiles, t, 1, a, n0, facc, dots, NB, BITS, PF);                       \
+        return;
+
+/* prefetch (a constant): whether to prefetch at all; without it the prefetch
+ * code is compiled out (a zero distance tested in the tile loop cost the
+ * AVX-512 2-bit one-token loop 6-13% on Zen 4). */
+ALWAYS_INLINE void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                              int64_t n0, int nb, float *facc, int32_t *dots, const int bits, const int prefetch) {
+    const int64_t p = tile0 / ULB_PANEL_TILES;
+    if (nb == 1) {
+        switch (ntiles) {
+            ULB_ONE_TOKEN(bits, prefetch, 1) ULB_ONE_TOKEN(bits, prefetch, 2)
+            ULB_ONE_TOKEN(bits, prefetch, 3) ULB_ONE_TOKEN(bits, prefetch, 4)
+        }
+    } else {
+        switch (nb) { ULB_TOKENS(bits, prefetch, 2) ULB_TOKENS(bits, prefetch, 3) ULB_TOKENS(bits, prefetch, 4) }
+    }
+}
+
+/* panel_1bit, panel_2bit, panel_4bit, panel_8bit: panel_bits with the code
+ * width fixed, with and without prefetch. */
+#define ULB_PANEL_FN(BITS)                                                                         \
+    static void panel_##BITS##bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, \
+                                  int64_t n0, int nb, float *facc, int32_t *dots) {                \
+        if (a->prefetch_dist)                                                                      \
+            panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS, 1);                          \
+        else                                                                                       \
+            panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS, 0);                          \
+    }
+ULB_PANEL_FN(1)
+ULB_PANEL_FN(2)
+ULB_PANEL_FN(4)
+ULB_PANEL_FN(8)
+
+void ULB_PANEL_AVX2_FN(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                       int64_t n0, int nb, float *facc, int32_t *dots) {
+    switch (w->bits) {
+    case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    case 4: panel_4bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
+    }
+}
