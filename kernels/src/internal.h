@@ -96,6 +96,19 @@ typedef void (*ulb_panel_fn)(const ulb_weight *w, int64_t tile0, int ntiles,
                              const ulb_acts *a, int64_t n0, int nb,
                              float *facc, int32_t *dots);
 
+/* Defines the ulb_panel_fn NAME of a SIMD file that has compiled one static
+ * panel_1bit .. panel_8bit per code width: it picks by w->bits. */
+#define ULB_PANEL_BY_WIDTH(NAME)                                                                   \
+    void NAME(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb, \
+              float *facc, int32_t *dots) {                                                       \
+        switch (w->bits) {                                                                         \
+        case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;                      \
+        case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;                      \
+        case 4: panel_4bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;                      \
+        default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;                     \
+        }                                                                                          \
+    }
+
 /* Where a linear call writes its result. */
 typedef struct {
     const float *xscale; /* per token: 1 / the activation quantisation factor */

@@ -175,12 +175,4 @@ ULB_PANEL_FN(2)
 ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
 
-void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
-                      int64_t n0, int nb, float *facc, int32_t *dots) {
-    switch (w->bits) {
-    case 1: panel_1bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
-    case 2: panel_2bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
-    case 4: panel_4bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
-    default: panel_8bit(w, tile0, ntiles, a, n0, nb, facc, dots); return;
-    }
-}
+ULB_PANEL_BY_WIDTH(ulb_panel_avx512)
