@@ -141,6 +141,14 @@ void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int 
  * q[k] for k < K, xsum[g] = sum of q over [g*group, min((g+1)*group, K)) for
  * g < ceil(K / group). Returns inv = 127/absmax, or NaN (q and xsum
  * untouched) if the row is not finite. Every ISA gives the same bits. */
+/* Best ISA this CPU supports, whatever ULB_ISA or ulb_isa_set chose. */
+ulb_isa ulb_isa_best(void);
+
+/* The read probe's loop over `words` 8-byte words at q, prefetching dist
+ * bytes ahead (0: none): their sum modulo 2^64 (probe.c). */
+typedef uint64_t (*probe_sum_fn)(const uint64_t *q, int64_t words, int64_t dist);
+uint64_t ulb_probe_sum_avx2(const uint64_t *q, int64_t words, int64_t dist);
+
 typedef float (*ulb_quant_row_fn)(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);

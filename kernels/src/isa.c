@@ -39,11 +39,15 @@ static _Atomic int active_isa = -1;
 static _Atomic int lut1_on = 1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
+ulb_isa ulb_isa_best(void) {
+    if (ulb_isa_supported(ULB_ISA_AVX512)) return ULB_ISA_AVX512;
+    if (ulb_isa_supported(ULB_ISA_AVXVNNI)) return ULB_ISA_AVXVNNI;
+    if (ulb_isa_supported(ULB_ISA_AVX2)) return ULB_ISA_AVX2;
+    return ULB_ISA_SCALAR;
+}
+
 static void isa_init(void) {
-    ulb_isa best = ULB_ISA_SCALAR;
-    if (ulb_isa_supported(ULB_ISA_AVX2)) best = ULB_ISA_AVX2;
-    if (ulb_isa_supported(ULB_ISA_AVXVNNI)) best = ULB_ISA_AVXVNNI;
-    if (ulb_isa_supported(ULB_ISA_AVX512)) best = ULB_ISA_AVX512;
+    ulb_isa best = ulb_isa_best();
     const char *lut = getenv("ULB_LUT1");
     if (lut && !strcmp(lut, "0")) atomic_store(&lut1_on, 0);
     const char *env = getenv("ULB_ISA");

@@ -1,6 +1,7 @@
 /* C unit test of kernels/: every ISA this CPU runs equals the scalar
  * reference bit for bit (integer dots and fp32 outputs of the low-bit GEMV
- * and GEMM, fp32 outputs of the bf16 GEMV), on odd shapes. */
+ * and GEMM, fp32 outputs of the bf16 GEMV), on odd shapes; and the read
+ * probe's AVX2 loop sums what it reads. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,28 @@ static int check_bf16(int64_t M, int64_t K, int64_t ldw, int64_t incx) {
     return fails;
 }
 
+/* ulb_probe_sum_avx2 against a plain sum of the words, for every length
+ * around its 8-word step, from an unaligned start, with and without prefetch. */
+static int check_probe_sum(int *n) {
+    enum { WORDS = 5000 };
+    uint64_t *buf = malloc((WORDS + 1) * 8);
+    for (int64_t i = 0; i <= WORDS; i++) buf[i] = (uint64_t)rnd() << 40 ^ (uint64_t)rnd() << 20 ^ rnd();
+    int fails = 0;
+    const int64_t lengths[] = {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, WORDS};
+    const int64_t dists[] = {0, 64, 4096};
+    for (int a = 0; a < 12; a++) for (int off = 0; off < 2; off++) for (int d = 0; d < 3; d++) {
+        uint64_t want = 0;
+        for (int64_t i = 0; i < lengths[a]; i++) want += buf[off + i];
+        (*n)++;
+        if (ulb_probe_sum_avx2(buf + off, lengths[a], dists[d]) != want) {
+            printf("probe sum mismatch: %ld words from word %d, prefetch %ld\n", (long)lengths[a], off, (long)dists[d]);
+            fails++;
+        }
+    }
+    free(buf);
+    return fails;
+}
+
 int main(void) {
     int fails = 0, n = 0;
     const int64_t Ms[] = {1, 7, 33, 100, 1000};
@@ -99,6 +122,9 @@ int main(void) {
         fails += check(ULB_FMT_INT4, Ms[a], 257, 24, Ns[c]);
         n += 2;
     }
+#if defined(__x86_64__)
+    if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n);
+#endif
     printf("ISAs run:");
     for (int isa = 0; isa < ULB_ISA_COUNT; isa++)
         if (ulb_isa_supported(isa)) printf(" %s", ulb_isa_name(isa));

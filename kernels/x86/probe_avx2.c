@@ -1,0 +1,25 @@
+/* The read probe's loop (probe.c) with 32-byte loads, for CPUs whose best
+ * ISA is AVX2: on a Zen 3 it streams 11-13% faster than the plain loop's
+ * 8- and 16-byte loads (benchmarks/c/read_widths.c), fewer loads a line
+ * keeping more lines in flight. Same checksum: the sum of the 8-byte words
+ * modulo 2^64. */
+#pragma GCC target("avx2")
+#include <immintrin.h>
+
+#include "../src/internal.h"
+
+uint64_t ulb_probe_sum_avx2(const uint64_t *q, int64_t words, int64_t dist) {
+    const uint8_t *end = (const uint8_t *)(q + words);
+    __m256i a = _mm256_setzero_si256(), b = a;
+    int64_t i = 0;
+    for (; i + 8 <= words; i += 8) { /* a line a step */
+        ulb_prefetch_ahead((const uint8_t *)(q + i), dist, end);
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(q + i)));
+        b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(q + i + 4)));
+    }
+    a = _mm256_add_epi64(a, b);
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    uint64_t s = (uint64_t)_mm_cvtsi128_si64(h) + (uint64_t)_mm_extract_epi64(h, 1);
+    for (; i < words; i++) s += q[i];
+    return s;
+}
