@@ -137,18 +137,18 @@ void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 
-/* Quantise one contiguous activation row to int8 and sum it per group:
- * q[k] for k < K, xsum[g] = sum of q over [g*group, min((g+1)*group, K)) for
- * g < ceil(K / group). Returns inv = 127/absmax, or NaN (q and xsum
- * untouched) if the row is not finite. Every ISA gives the same bits. */
 /* Best ISA this CPU supports, whatever ULB_ISA or ulb_isa_set chose. */
 ulb_isa ulb_isa_best(void);
 
 /* The read probe's loop over `words` 8-byte words at q, prefetching dist
  * bytes ahead (0: none): their sum modulo 2^64 (probe.c). */
-typedef uint64_t (*probe_sum_fn)(const uint64_t *q, int64_t words, int64_t dist);
+typedef uint64_t (*ulb_probe_sum_fn)(const uint64_t *q, int64_t words, int64_t dist);
 uint64_t ulb_probe_sum_avx2(const uint64_t *q, int64_t words, int64_t dist);
 
+/* Quantise one contiguous activation row to int8 and sum it per group:
+ * q[k] for k < K, xsum[g] = sum of q over [g*group, min((g+1)*group, K)) for
+ * g < ceil(K / group). Returns inv = 127/absmax, or NaN (q and xsum
+ * untouched) if the row is not finite. Every ISA gives the same bits. */
 typedef float (*ulb_quant_row_fn)(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);

@@ -7,10 +7,13 @@
  *   ISA is active: with 8 or 16 KiB ahead the plain loop reads 0.83-0.88x as
  *   fast on Zen 4 and 1.13-1.44x as fast on a Xeon, whose cores stream
  *   10-11 GB/s without it; so none on AMD, 8 KiB on Intel.
- * - Where AVX2 is the CPU's best ISA it reads with 32-byte loads
- *   (ulb_probe_sum_avx2): on a Zen 3 (AVX2 only) the plain loop's 8- and
- *   16-byte loads read 0.85-0.93x as fast (benchmarks/c/read_widths.c), and
- *   that loop with 8 KiB ahead 0.84-0.91x (prefetch_sweep). */
+ * - Where AVX2 (or AVX-VNNI) is the CPU's best ISA it reads with 32-byte
+ *   loads (ulb_probe_sum_avx2): on a Zen 3 (AVX2 only) the plain loop's 8-
+ *   and 16-byte loads read 0.85-0.93x as fast (benchmarks/c/read_widths.c),
+ *   and with 8 KiB ahead that plain loop gains only 1.01-1.12x, while the
+ *   32-byte loop loses with it (0.84-0.91x, prefetch_sweep), so the prefetch
+ *   rule above stands. Intel CPUs of that kind (32-byte loads with 8 KiB
+ *   ahead) have not been measured. */
 #include <stdatomic.h>
 
 #include "internal.h"
@@ -21,7 +24,7 @@
 typedef struct {
     const uint8_t *p;
     int64_t nbytes, prefetch;
-    probe_sum_fn sum_fn;
+    ulb_probe_sum_fn sum_fn;
     _Atomic uint64_t sum;
 } probe_job;
 
@@ -41,14 +44,14 @@ ALWAYS_INLINE uint64_t sum_words(const uint64_t *q, int64_t words, int64_t dist,
     return s0 + s1 + s2 + s3;
 }
 
-/* Where AVX2 is the CPU's best ISA, ulb_probe_sum_avx2; elsewhere the plain
- * loop: on Zen 4 32-byte loads read 0.97-1.00x as fast as it and 64-byte
- * ones 0.85-0.88x (benchmarks/README.md). */
 static uint64_t sum_plain(const uint64_t *q, int64_t words, int64_t dist) {
     return dist ? sum_words(q, words, dist, 1) : sum_words(q, words, 0, 0);
 }
 
-static probe_sum_fn probe_sum_for_cpu(void) {
+/* Where AVX2 is the CPU's best ISA, ulb_probe_sum_avx2; on AVX-512 CPUs the
+ * plain loop: on Zen 4 32-byte loads read 0.97-1.00x as fast as it and
+ * 64-byte ones 0.85-0.88x (benchmarks/README.md). */
+static ulb_probe_sum_fn probe_sum_for_cpu(void) {
 #if defined(__x86_64__)
     const ulb_isa best = ulb_isa_best();
     if (best == ULB_ISA_AVX2 || best == ULB_ISA_AVXVNNI) return ulb_probe_sum_avx2;

@@ -85,9 +85,10 @@ static int check_probe_sum(int *n) {
     uint64_t *buf = malloc((WORDS + 1) * 8);
     for (int64_t i = 0; i <= WORDS; i++) buf[i] = (uint64_t)rnd() << 40 ^ (uint64_t)rnd() << 20 ^ rnd();
     int fails = 0;
-    const int64_t lengths[] = {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, WORDS};
+    const int64_t lengths[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 63, 64, 65, WORDS - 1, WORDS};
     const int64_t dists[] = {0, 64, 4096};
-    for (int a = 0; a < 12; a++) for (int off = 0; off < 2; off++) for (int d = 0; d < 3; d++) {
+    const int nlengths = (int)(sizeof lengths / sizeof *lengths), ndists = (int)(sizeof dists / sizeof *dists);
+    for (int a = 0; a < nlengths; a++) for (int off = 0; off < 2; off++) for (int d = 0; d < ndists; d++) {
         uint64_t want = 0;
         for (int64_t i = 0; i < lengths[a]; i++) want += buf[off + i];
         (*n)++;
