@@ -137,7 +137,8 @@ void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 
-/* Best ISA this CPU supports, whatever ULB_ISA or ulb_isa_set chose. */
+/* Best ISA this CPU supports (detected once, at load), whatever ULB_ISA or
+ * ulb_isa_set chose. */
 ulb_isa ulb_isa_best(void);
 
 /* The read probe's loop over `words` 8-byte words at q, prefetching dist

@@ -36,18 +36,15 @@ int ulb_isa_supported(ulb_isa isa) {
 }
 
 static _Atomic int active_isa = -1;
+static ulb_isa cpu_best = ULB_ISA_SCALAR; /* set once by isa_init */
 static _Atomic int lut1_on = 1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
-ulb_isa ulb_isa_best(void) {
-    if (ulb_isa_supported(ULB_ISA_AVX512)) return ULB_ISA_AVX512;
-    if (ulb_isa_supported(ULB_ISA_AVXVNNI)) return ULB_ISA_AVXVNNI;
-    if (ulb_isa_supported(ULB_ISA_AVX2)) return ULB_ISA_AVX2;
-    return ULB_ISA_SCALAR;
-}
-
 static void isa_init(void) {
-    ulb_isa best = ulb_isa_best();
+    if (ulb_isa_supported(ULB_ISA_AVX2)) cpu_best = ULB_ISA_AVX2;
+    if (ulb_isa_supported(ULB_ISA_AVXVNNI)) cpu_best = ULB_ISA_AVXVNNI;
+    if (ulb_isa_supported(ULB_ISA_AVX512)) cpu_best = ULB_ISA_AVX512;
+    ulb_isa best = cpu_best;
     const char *lut = getenv("ULB_LUT1");
     if (lut && !strcmp(lut, "0")) atomic_store(&lut1_on, 0);
     const char *env = getenv("ULB_ISA");
@@ -55,6 +52,11 @@ static void isa_init(void) {
         for (int i = 0; i < ULB_ISA_COUNT; i++)
             if (!strcmp(env, ISA_NAMES[i]) && ulb_isa_supported((ulb_isa)i)) best = (ulb_isa)i;
     atomic_store(&active_isa, (int)best);
+}
+
+ulb_isa ulb_isa_best(void) {
+    pthread_once(&isa_once, isa_init);
+    return cpu_best;
 }
 
 ulb_isa ulb_isa_active(void) {
