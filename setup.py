@@ -7,6 +7,7 @@ Build with the torch already installed: pip install --no-build-isolation -e .
 """
 import glob
 import os
+import platform
 
 import torch
 from setuptools import setup
@@ -27,9 +28,15 @@ class BuildExtensionOptional(BuildExtension):
             if not ext.optional:
                 raise
             print(f"WARNING: {ext.name} not built, the ops serve its calls instead: {e}")
+
+
+# The SIMD kernels of kernels/x86 only where the compiler targets x86-64;
+# elsewhere (aarch64, ...) every call runs the scalar reference kernels,
+# which kernels/src selects when no x86 ISA is compiled in.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 KERNEL_SOURCES = sorted(
     os.path.relpath(p, ROOT)
-    for d in ("kernels/src", "kernels/ref", "kernels/x86")
+    for d in ("kernels/src", "kernels/ref") + (("kernels/x86",) if X86 else ())
     for p in glob.glob(os.path.join(ROOT, d, "*.c"))
 )
 # Identical rounding on every ISA path needs multiply and add kept separate.

@@ -15,27 +15,51 @@ def _cpu_has_avx2():
         return " avx2 " in f.read()
 
 
+def _kernel_sources(x86):
+    sources = []
+    for d in ("kernels/src", "kernels/ref") + (("kernels/x86",) if x86 else ()):
+        found = sorted(glob.glob(os.path.join(ROOT, d, "*.c")))
+        assert found, f"no C sources in {d}"
+        sources += found
+    return sources
+
+
+def _build_and_run(cc, flags, sources, exe, runner=()):
+    build = subprocess.run([cc, *flags, "-I" + os.path.join(ROOT, "kernels", "include"), *sources,
+                            "-o", exe, "-lm", "-lpthread"], capture_output=True, text=True, timeout=180)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([*runner, exe], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(exe))
+    assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
+    assert " 0 failed" in run.stdout, run.stdout[-4000:]
+    return run.stdout.split("ISAs run:")[1].splitlines()[0].split()
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
 @pytest.mark.parametrize("emulate_avxvnni", [False, True])
 def test_c_kernels(tmp_path, emulate_avxvnni):
     """Every ISA the CPU runs against the scalar reference; with
     emulate_avxvnni the AVX-VNNI kernels too, their vpdpbusd computed from
     AVX2 (kernels/x86/panel_avxvnni.c), on any CPU with AVX2."""
-    sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c")]
-    for d in ("kernels/src", "kernels/ref", "kernels/x86"):
-        found = sorted(glob.glob(os.path.join(ROOT, d, "*.c")))
-        assert found or d == "kernels/x86", f"no C sources in {d}"
-        sources += found
-    exe = str(tmp_path / "test_kernels")
+    sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c"), *_kernel_sources(x86=True)]
     flags = CFLAGS + (["-DULB_EMULATE_AVXVNNI"] if emulate_avxvnni else [])
-    build = subprocess.run(["gcc", *flags, "-I" + os.path.join(ROOT, "kernels", "include"), *sources,
-                            "-o", exe, "-lm", "-lpthread"], capture_output=True, text=True, timeout=180)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
-    assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
-    assert " 0 failed" in run.stdout, run.stdout[-4000:]
+    isas = _build_and_run("gcc", flags, sources, str(tmp_path / "test_kernels"))
     if emulate_avxvnni and os.path.exists("/proc/cpuinfo") and _cpu_has_avx2():
-        assert "avxvnni" in run.stdout.split("ISAs run:")[1].splitlines()[0], run.stdout[-500:]
+        assert "avxvnni" in isas, isas
+
+
+AARCH64_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+
+
+@pytest.mark.skipif(AARCH64_CC is None or QEMU is None,
+                    reason="no aarch64 cross compiler and qemu-user (apt-get install gcc-aarch64-linux-gnu qemu-user)")
+def test_c_kernels_aarch64(tmp_path):
+    """Where setup.py builds for a CPU other than x86-64 it leaves out
+    kernels/x86: the kernels must then build and run, on the scalar
+    reference alone, with the same results. Cross-compiled and run under
+    qemu-user."""
+    sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c"), *_kernel_sources(x86=False)]
+    isas = _build_and_run(AARCH64_CC, CFLAGS + ["-static"], sources, str(tmp_path / "test_kernels"), [QEMU])
+    assert isas == ["scalar"], isas
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")

@@ -90,6 +90,14 @@ int ulb_lut1_available(ulb_isa isa) {
 #endif
 }
 
+ulb_lut1_build_fn ulb_lut1_builder_for_isa(ulb_isa isa) {
+#if defined(__x86_64__)
+    if (ulb_lut1_available(isa)) return ulb_lut1_build_avx512;
+#endif
+    (void)isa;
+    return NULL;
+}
+
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)

@@ -21,22 +21,25 @@ typedef struct {
     float *xscale;
     int32_t *xsum;
     float *facc1; /* one token: every row's fp32 result before the output step */
+    ulb_lut1_build_fn lut1_build; /* fills acts.lut1, or NULL: no tables */
     ulb_acts acts;
 } quantized_acts;
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-/* Whether a call takes the 1-bit lookup kernel: one token, one thread, not
- * disabled (see ulb.h). With two threads the masking kernel streams better
+/* The table builder if a call takes the 1-bit lookup kernel (one token, one
+ * thread, not disabled, see ulb.h), else NULL. With two threads the masking kernel streams better
  * and the tables only add cache traffic (0.67-0.90x cold with tables,
  * benchmarks/c/ab_builds.sh). */
-static int use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
-    return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_enabled() && ulb_lut1_available(isa);
+static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
+    return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_enabled() ? ulb_lut1_builder_for_isa(isa) : NULL;
 }
 
-/* Scratch for the int8 activations of N tokens, and with `lut` the lookup
- * tables of the 1-bit one-token kernel; filled by acts_fill. */
-static ulb_status acts_alloc(const ulb_weight *w, int lut, int nthreads, int64_t N, quantized_acts *q) {
+/* Scratch for the int8 activations of N tokens, and with lut1_build the
+ * lookup tables of the 1-bit one-token kernel; filled by acts_fill. */
+static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, int nthreads, int64_t N,
+                             quantized_acts *q) {
+    const int lut = lut1_build != NULL;
     const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
     const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
@@ -48,6 +51,7 @@ static ulb_status acts_alloc(const ulb_weight *w, int lut, int nthreads, int64_t
     q->xq = q->scratch;
     q->xscale = (float *)((char *)q->scratch + xq_bytes);
     q->xsum = (int32_t *)((char *)q->scratch + xq_bytes + xs_bytes);
+    q->lut1_build = lut1_build;
     if (N == 1) q->facc1 = (float *)((char *)q->scratch + xq_bytes + xs_bytes + sum_bytes + lut_bytes);
     const uint8_t *lut1 = lut ? (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes : NULL;
     q->acts = ulb_acts_of(w, q->xq, q->xsum, lut1, nthreads);
@@ -68,7 +72,7 @@ static ulb_status acts_fill(const ulb_weight *w, int64_t r0, int64_t r1, const a
                                            (const char *)in->x + (size_t)(r0 * in->ldx) * esize, in->dt, in->ldx,
                                            in->incx, q->xq + r0 * w->K_pad, q->xscale + r0,
                                            q->xsum + r0 * w->n_groups);
-    if (st == ULB_OK && q->acts.lut1) ulb_lut1_build_avx512(q->xq, w->ksteps, (uint8_t *)q->acts.lut1);
+    if (st == ULB_OK && q->acts.lut1) q->lut1_build(q->xq, w->ksteps, (uint8_t *)q->acts.lut1);
     return st;
 }
 
@@ -186,9 +190,9 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
     if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
     if (nthreads > ulb_weight_npanels(&w)) nthreads = (int)ulb_weight_npanels(&w); /* as ulb_parallel will */
-    const int lut = use_lut1(&w, N, nthreads, isa);
+    const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, nthreads, isa);
     quantized_acts q;
-    st = acts_alloc(&w, lut, nthreads, N, &q);
+    st = acts_alloc(&w, lut1_build, nthreads, N, &q);
     if (st != ULB_OK) return st;
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
@@ -209,12 +213,13 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const ulb_isa isa = ulb_isa_active();
     const ulb_panel_fn fn = ulb_panel_for_isa(isa);
     const int64_t G = w.n_groups;
-    const int lut = use_lut1(&w, N, 1, isa);
+    const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, 1, isa);
+    const int lut = lut1_build != NULL;
     const size_t pd_bytes = (size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t);
     int32_t *pd = ulb_aligned_alloc(pd_bytes + (lut ? (size_t)(w.ksteps * ULB_LUT1_STEP_BYTES) : 0));
     if (!pd) return ULB_ERR_NOMEM;
     uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
-    if (lut) ulb_lut1_build_avx512(xq, w.ksteps, lut1);
+    if (lut) lut1_build(xq, w.ksteps, lut1);
     const ulb_acts acts = ulb_acts_of(&w, xq, xsum, lut1, 1);
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {

@@ -134,6 +134,7 @@ static int check_bf16(int64_t M, int64_t K, int64_t ldw, int64_t incx) {
     return fails;
 }
 
+#if defined(__x86_64__)
 /* ulb_probe_sum_avx2 against a plain sum of the words, for every length
  * around its 8-word step, from an unaligned start, with and without prefetch. */
 static int check_probe_sum(int *n) {
@@ -156,6 +157,7 @@ static int check_probe_sum(int *n) {
     free(buf);
     return fails;
 }
+#endif
 
 int main(void) {
     int fails = 0, n = 0;
