@@ -162,6 +162,35 @@ def test_module_routes_one_token_to_the_gemv(gen):
         layer(x1.float())
 
 
+def _ops_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.skipif(not runtime.bf16_gemv_native, reason="no vector ISA: the module runs F.linear")
+def test_module_calls_the_gemv_only_where_it_serves(gen):
+    """The outputs above cannot tell the GEMV from F.linear (bit-identical at
+    this size), so which one ran is read from the profiler."""
+    layer = LinearBF16.from_linear(_bf16_linear(gen))
+    x1 = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        assert "ulb::linear_bf16" in _ops_run(lambda: layer(x1))
+        assert "ulb::linear_bf16" not in _ops_run(lambda: layer(torch.cat([x1, x1])))  # two tokens
+    assert "ulb::linear_bf16" not in _ops_run(lambda: layer(x1.requires_grad_()))  # autograd
+
+
+def test_module_with_overlapping_weight_rows_is_f_linear(gen):
+    """An expanded weight (row stride 0) is a valid F.linear operand that the
+    GEMV does not take (rows must not overlap): F.linear serves it."""
+    layer = LinearBF16.from_linear(_bf16_linear(gen, bias=False))
+    layer.weight = torch.nn.Parameter(torch.randn(1, 96, generator=gen).to(torch.bfloat16).expand(40, 96),
+                                      requires_grad=False)
+    x1 = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x1), F.linear(x1, layer.weight))
+
+
 def test_module_keeps_autograd_working(gen):
     lin = _bf16_linear(gen)
     layer = LinearBF16.from_linear(lin)

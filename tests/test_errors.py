@@ -265,6 +265,53 @@ def test_load_state_dict_of_another_format():
         dst.dequantize()
 
 
+def test_assigning_a_blob_of_another_format_or_group_size():
+    """layer.packed = blob is checked like load_state_dict: the kernel follows
+    the blob's header, dequantize() and the reference path the layer's."""
+    lin = torch.nn.Linear(K, M)
+    dst = Linear2Bit(K, M, True)
+    for src in (Linear2Bit.from_linear(lin, group_size=32), Linear1Bit.from_linear(lin),
+                Linear2Bit.from_linear(torch.nn.Linear(K + 32, M))):
+        with pytest.raises(ValueError, match=r"Linear2Bit.packed: packed weight is .* but the layer is"):
+            dst.packed = src.packed.clone()
+    with pytest.raises(ValueError, match="not a valid ulbtorch packed weight"):
+        dst.packed = torch.randint(0, 256, dst.packed.shape, dtype=torch.uint8)
+    same = Linear2Bit.from_linear(lin)
+    dst.packed = same.packed.clone()  # same geometry: taken
+    assert torch.equal(dst.dequantize(), same.dequantize())
+
+
+def test_quantize_of_a_bare_linear_says_how():
+    """The model itself cannot be swapped in place (it used to gain a child
+    named "" and stay float)."""
+    with pytest.raises(ValueError, match=r"cannot swap the model itself .*nn.Sequential"):
+        ulbtorch.quantize_(torch.nn.Linear(K, M), bits=2)
+    with pytest.raises(ValueError, match="cannot swap the model itself"):
+        ulbtorch.bf16_gemv_(torch.nn.Linear(K, M).to(torch.bfloat16))
+    seq = ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(K, M)), bits=2)
+    assert type(seq[0]) is Linear2Bit
+
+
+def test_quant_config_checks_its_options_up_front():
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        ulbtorch.QuantConfig(bits=2, granularity="row")
+    with pytest.raises(ValueError, match="method must be one of"):
+        ulbtorch.QuantConfig(bits=2, method="foo")
+    with pytest.raises(ValueError, match="group_size=32 needs granularity='group'"):
+        ulbtorch.QuantConfig(bits=2, granularity="channel", group_size=32)
+
+
+def test_grid_exclude_is_a_pattern_list_or_one_name():
+    from ulbtorch.importers.grid import convert_grid_linears
+    model = torch.nn.Sequential()
+    model.add_module("body", torch.nn.Linear(K, M))
+    model.add_module("lm_head", torch.nn.Linear(M, M))  # not on a grid: must be left alone
+    with torch.no_grad():
+        model.body.weight.copy_(torch.sign(torch.randn(M, K)) * 0.1)
+    convert_grid_linears(model, 1, exclude="lm_head")  # one string is one name, not its characters
+    assert type(model.body) is Linear1Bit and type(model.lm_head) is torch.nn.Linear
+
+
 def test_load_state_dict_of_garbage():
     dst = Linear2Bit(K, M, True)
     sd = Linear2Bit.from_linear(torch.nn.Linear(K, M)).state_dict()

@@ -104,6 +104,19 @@ def test_mse_scale_never_worse_than_absmax(gen, cls, fmt):
     assert err["mse"] <= err["absmax"] * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_group_scales_are_those_of_each_group_alone(gen, cls, fmt, method):
+    """Each group's scale is the one its own columns give as a matrix of
+    their own, the short last group (K_IN = 100 = 3 x 32 + 4) included: its
+    zero padding must not count in a mean or a max."""
+    w = torch.randn(M_OUT, K_IN, generator=gen)
+    _, scales = quantize_weight(w, fmt, 32, "group", method)
+    for g, k0 in enumerate(range(0, K_IN, 32)):
+        _, alone = quantize_weight(w[:, k0:k0 + 32], fmt, 0, "channel", method)
+        assert torch.equal(scales[:, g], alone[:, 0]), g
+
+
 @pytest.mark.parametrize("gs", [0, 32])
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
 def test_from_codes_and_dequantize(gen, cls, fmt, gs):
@@ -152,6 +165,29 @@ def test_state_dict_safetensors_round_trip(gen, tmp_path, cls, fmt, granularity,
     x = torch.randn(6, K_IN, generator=gen)
     assert torch.equal(fresh(x), layer(x))
     assert torch.equal(fresh.dequantize(), layer.dequantize())
+
+
+def test_dequantized_cache_is_not_saved_or_copied(gen):
+    """The reference path caches the fp32 weight (16x the packed bytes); a
+    pickled, saved or copied layer leaves it behind (its untyped storage did
+    not even pickle)."""
+    import copy
+    import io
+    import pickle
+    _, layer = _layer(gen)
+    fresh = io.BytesIO()
+    torch.save(layer, fresh)
+    layer.force_reference = True
+    y = layer(torch.randn(2, K_IN, generator=gen))
+    assert layer._dequant_cache is not None
+    again = pickle.loads(pickle.dumps(layer))
+    assert again._dequant_cache is None and torch.equal(again.packed, layer.packed)
+    assert torch.equal(again(torch.zeros(2, K_IN)), layer(torch.zeros(2, K_IN)))
+    saved = io.BytesIO()
+    torch.save(layer, saved)
+    assert saved.tell() < fresh.tell() + 1024, (saved.tell(), fresh.tell())
+    assert copy.deepcopy(layer)._dequant_cache is None and layer._dequant_cache is not None
+    assert y.shape == (2, M_OUT)
 
 
 def test_load_state_dict_rejects_other_format_or_shape(gen):

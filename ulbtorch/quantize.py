@@ -8,6 +8,7 @@ from torch import nn
 from .formats import FORMATS
 from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_, replace_module
 from .nn.replace import name_selected, patterns
+from .quantizers import GRANULARITIES, METHODS
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 4: "int4", "4": "int4", 8: "int8",
@@ -90,6 +91,15 @@ class QuantConfig:
                              f"got {self.group_size}")
         if self.granularity is None:
             self.granularity = "group" if self.group_size else "channel"
+        # Checked here, not at the first layer: through UlbConfig that comes
+        # after from_pretrained has read every float weight.
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.granularity != "group" and self.group_size:
+            raise ValueError(f"group_size={self.group_size} needs granularity='group' (or None), "
+                             f"got {self.granularity!r}")
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS} (or None: the format's default), got {self.method!r}")
 
     def layer_args(self, in_features: int) -> dict:
         """group_size and granularity for one layer: a layer whose input is

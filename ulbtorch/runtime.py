@@ -105,7 +105,12 @@ _check_isa_env()
 
 @contextlib.contextmanager
 def _setting(get, set_, value):
-    """set_(value) for the enclosed calls, then back to get()'s value."""
+    """set_(value) for the enclosed calls, then back to get()'s value.
+
+    The settings are the process's, as the kernels' (C globals), not a
+    thread's: a use_* block changes them for every thread while it runs,
+    and blocks that overlap in two threads restore in whatever order they
+    end. Set them from one thread (torch.backends' flags behave alike)."""
     previous = get()
     set_(value)
     try:

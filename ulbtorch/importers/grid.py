@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..nn import MODULE_FOR_FORMAT, replace_module
+from ..nn.replace import patterns
 
 GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
 
@@ -80,6 +81,7 @@ def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
 def convert_grid_linears(model: nn.Module, bits, *, exclude=("lm_head",)) -> nn.Module:
     """Replace every nn.Linear (except `exclude`) whose weight is on the grid
     by the matching low-bit layer, in place, without re-quantising."""
+    exclude = patterns(exclude, "exclude")
     for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
         if any(name == e or name.endswith("." + e) for e in exclude):
             continue

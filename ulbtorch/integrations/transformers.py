@@ -37,7 +37,10 @@ class UlbConfig(QuantizationConfigMixin):
         if kwargs:
             raise ValueError(f"UlbConfig: unknown options {sorted(kwargs)}")
         self.quant_method = QUANT_METHOD
-        self.modules_to_not_convert = patterns(modules_to_not_convert or ["lm_head", "*.lm_head"],
+        # [] converts every layer, as in transformers' other quantizers; None is the default.
+        if modules_to_not_convert is None:
+            modules_to_not_convert = ["lm_head", "*.lm_head"]
+        self.modules_to_not_convert = patterns(modules_to_not_convert,
                                                "modules_to_not_convert")
         q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,
                         method=method, exclude=self.modules_to_not_convert, lm_head_bits=lm_head_bits,

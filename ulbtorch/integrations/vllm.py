@@ -57,7 +57,8 @@ class UlbVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
-        skip = list(config.get("modules_to_not_convert") or ["lm_head", "*.lm_head"])
+        skip = config.get("modules_to_not_convert")
+        skip = ["lm_head", "*.lm_head"] if skip is None else list(skip)
         quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
                             group_size=config.get("group_size", 0), granularity=config.get("granularity"),
                             method=config.get("method"), exclude=skip, bf16_gemv=config.get("bf16_gemv", True),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import ops, runtime
 from ..formats import get_format, normalize_group_size
@@ -218,8 +219,8 @@ class LowBitLinear(nn.Module):
                 error_msgs.append(f"{key}: {why}")
                 return
             # The blob's size depends on the shape and format: resize, then let
-            # nn.Module copy it in as usual.
-            self.packed = torch.empty_like(blob, device=self.packed.device)
+            # nn.Module copy it in as usual (checked above, so not through __setattr__).
+            self._buffers["packed"] = torch.empty_like(blob, device=self.packed.device)
             self._dequant_cache = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
@@ -227,6 +228,26 @@ class LowBitLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._dequant_cache = None
         return super()._apply(fn, recurse)
+
+    def __setattr__(self, name, value):
+        # The kernel follows the blob's header while dequantize(), the
+        # reference path and backward follow this layer's format and group
+        # size: a blob that disagrees would give two answers. Blobs without
+        # bytes to read (meta, fake) are left to the loaders that fill them.
+        if (name == "packed" and isinstance(value, torch.Tensor) and "packed" in self.__dict__.get("_buffers", {})
+                and value.device.type != "meta" and not is_fake(value)):
+            why = self.packed_mismatch(value)
+            if why:
+                raise ValueError(f"{type(self).__name__}.packed: {why}")
+            self._dequant_cache = None
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        # The dequantised weight is a cache: 16x the packed bytes, and its
+        # untyped storage does not pickle.
+        state = super().__getstate__()
+        state["_dequant_cache"] = None
+        return state
 
 
 class Linear2Bit(LowBitLinear):

@@ -26,5 +26,9 @@ def name_selected(name: str, include: list[str], exclude: list[str]) -> bool:
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    if not name:  # setattr(model, "", new) would add a child named "" and keep the layer
+        raise ValueError(f"cannot swap the model itself ({type(model).__name__}) in place: put the layer in a "
+                         f"container (nn.Sequential(layer)), or build the replacement directly "
+                         f"({type(new).__name__}.from_linear(layer))")
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
