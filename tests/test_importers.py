@@ -1,10 +1,11 @@
 """Importers of already-low-bit checkpoints: HF BitNet format and on-grid
 float weights (ParetoQ style)."""
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -26,9 +27,10 @@ def bitnet_forward(x, t, ws, linear_class):
     return y / (scale * ws) if linear_class == "bitlinear" else y / scale * ws
 
 
-def make_checkpoint(tmp_path, linear_class, seed=0):
+def make_checkpoint(tmp_path, linear_class, seed=0, **cfg_overrides):
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
+    model_cfg = dict(CFG, **cfg_overrides)
+    model = LlamaForCausalLM(LlamaConfig(**model_cfg)).eval()
     state, ternary = {}, {}
     for name, t in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
@@ -38,14 +40,31 @@ def make_checkpoint(tmp_path, linear_class, seed=0):
             ternary[module] = (tern, ws)
             state[name] = pack_weights(tern.clone())
             state[module + ".weight_scale"] = ws.to(torch.bfloat16)
+        elif name.endswith(".bias"):  # transformers initialises biases to zero, which would hide a lost one
+            state[name] = torch.randn(t.shape).to(torch.bfloat16)
         else:
             state[name] = t.to(torch.bfloat16).contiguous()
     save_file(state, str(tmp_path / "model.safetensors"))
-    cfg = LlamaConfig(**CFG).to_dict()
+    cfg = LlamaConfig(**model_cfg).to_dict()
     cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": linear_class,
                                   "modules_to_not_convert": None}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return ternary
+
+
+def shard_checkpoint(src, dst, in_second_shard):
+    """Copy the single-file checkpoint in src to dst as two shards plus an
+    index; tensors whose name in_second_shard accepts go to shard 2."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    state = load_file(str(src / "model.safetensors"))
+    files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    weight_map = {k: files[in_second_shard(k)] for k in state}
+    for file in files:
+        save_file({k: v for k, v in state.items() if weight_map[k] == file}, str(dst / file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return state
 
 
 def test_unpack_matches_transformers():
@@ -77,9 +96,47 @@ def test_load_bitnet_checkpoint_is_lossless(tmp_path, linear_class):
     assert out.shape == (1, 10)
 
 
+BIASED = dict(attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("apart", [(".bias",), (".bias", ".weight_scale")])
+def test_sharded_checkpoint_tensors_apart_from_weights(tmp_path, apart):
+    single = tmp_path / "single"
+    single.mkdir()
+    make_checkpoint(single, "bitlinear", **BIASED)
+    state = shard_checkpoint(single, tmp_path / "sharded", lambda k: k.endswith(apart))
+    sharded = load_bitnet_checkpoint(str(tmp_path / "sharded"), dtype=torch.float32)
+    layers = {n: m for n, m in sharded.named_modules() if isinstance(m, LinearTernary)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        assert layer.bias is not None, name
+        torch.testing.assert_close(layer.bias, state[name + ".bias"].float(), rtol=0, atol=0)
+    reference = load_bitnet_checkpoint(str(single), dtype=torch.float32)
+    ids = torch.randint(0, 300, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(ids).logits, reference(ids).logits)
+
+
+def test_sharded_checkpoint_missing_scale_is_an_error(tmp_path):
+    make_checkpoint(tmp_path, "bitlinear")
+    state = shard_checkpoint(tmp_path, tmp_path / "sharded", lambda k: k.endswith(".weight_scale"))
+    del state["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file({k: v for k, v in state.items() if k.endswith(".weight_scale")},
+              str(tmp_path / "sharded" / "model-00002-of-00002.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight has no .*up_proj.weight_scale"):
+        load_bitnet_checkpoint(str(tmp_path / "sharded"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitnet_bias_follows_requested_dtype(tmp_path, dtype):
+    make_checkpoint(tmp_path, "autobitlinear", **BIASED)
+    model = load_bitnet_checkpoint(str(tmp_path), dtype=dtype)
+    biases = [m.bias for m in model.modules() if isinstance(m, LinearTernary)]
+    assert biases and all(b is not None and b.dtype == dtype for b in biases)
+
+
 def test_bitnet_checkpoint_errors(tmp_path):
     make_checkpoint(tmp_path, "bitlinear")
-    from safetensors.torch import load_file
     state = load_file(str(tmp_path / "model.safetensors"))
     del state["model.layers.0.mlp.up_proj.weight_scale"]
     save_file(state, str(tmp_path / "model.safetensors"))
@@ -134,3 +191,24 @@ def test_grid_refuses_off_grid_rows():
         for bad in (float("nan"), float("inf"), -float("inf")):
             with pytest.raises(ValueError, match="w: row 1 holds NaN or infinite"):
                 pack_grid_weight(torch.tensor([[0.25, -0.25, 0.25], [bad, 0.25, -0.25]]), bits, "w")
+
+
+def test_meta_construction_touches_only_its_own_thread():
+    """load_bitnet_checkpoint builds the model with parameters on meta by
+    patching nn.Module.register_parameter, which is process-wide: a module
+    built meanwhile in another thread keeps real weights, and a frozen
+    parameter stays frozen."""
+    import threading
+
+    from ulbtorch.importers.hf_bitnet import _params_on_meta
+    built, inside = {}, threading.Event()
+    worker = threading.Thread(target=lambda: (inside.wait(), built.setdefault("w", torch.nn.Linear(4, 4).weight)))
+    worker.start()
+    with _params_on_meta():
+        inside.set()
+        worker.join()
+        ours = torch.nn.Linear(4, 4)
+        frozen = torch.nn.Module()
+        frozen.register_parameter("p", torch.nn.Parameter(torch.zeros(2), requires_grad=False))
+    assert built["w"].device.type == "cpu"
+    assert ours.weight.is_meta and frozen.p.is_meta and not frozen.p.requires_grad

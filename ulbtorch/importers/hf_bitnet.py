@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -43,13 +45,15 @@ def unpack_hf_bitnet(packed: torch.Tensor, out_features: int, name: str = "weigh
 @contextlib.contextmanager
 def _params_on_meta():
     """Build modules with parameters on the meta device (no memory) while
-    buffers such as rotary inv_freq are computed for real on the CPU."""
+    buffers such as rotary inv_freq are computed for real on the CPU. The
+    patch is process-wide, so it acts only on this thread's modules."""
     original = nn.Module.register_parameter
+    owner = threading.get_ident()
 
     def register(module, name, param):
         original(module, name, param)
-        if param is not None:
-            kwargs = dict(param.__dict__)
+        if param is not None and threading.get_ident() == owner:
+            kwargs = dict(param.__dict__, requires_grad=param.requires_grad)
             module._parameters[name] = type(param)(param.to("meta"), **kwargs)
 
     nn.Module.register_parameter = register
@@ -71,16 +75,67 @@ def _checkpoint_files(directory: str) -> list[str]:
     return [single]
 
 
+class _CheckpointTensors(Mapping):
+    """Every tensor of a checkpoint by name, whichever shard holds it: a
+    layer's weight, weight_scale and bias may sit in different shards. Names
+    come from each file's own header (not just the index), and safe_open only
+    maps the files, so a tensor is read when it is looked up, not before."""
+
+    def __init__(self, directory: str, stack: contextlib.ExitStack):
+        from safetensors import safe_open
+
+        self._files = {}
+        self.path_of: dict[str, str] = {}
+        for path in _checkpoint_files(directory):
+            self._files[path] = stack.enter_context(safe_open(path, framework="pt"))
+            self.path_of.update(dict.fromkeys(self._files[path].keys(), path))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._files[self.path_of[name]].get_tensor(name)
+
+    def __contains__(self, name) -> bool:
+        # Mapping's default would read the tensor just to test membership.
+        return name in self.path_of
+
+    def __iter__(self):
+        return iter(self.path_of)
+
+    def __len__(self) -> int:
+        return len(self.path_of)
+
+
 def _selected(name: str, skip: list[str]) -> bool:
     return not any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
+
+
+def _follow_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float tensors take the dtype the caller asked for; integer ones keep theirs."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _ternary_layer(tensors: _CheckpointTensors, name: str, lin: nn.Linear, linear_class: str,
+                   dtype: torch.dtype) -> LinearTernary:
+    wkey, skey = name + ".weight", name + ".weight_scale"
+    if skey not in tensors:
+        raise ValueError(f"{tensors.path_of[wkey]}: {wkey} has no {skey}")
+    codes = unpack_hf_bitnet(tensors[wkey], lin.out_features, wkey)
+    if codes.shape[1] != lin.in_features:
+        raise ValueError(f"{wkey}: {codes.shape[1]} input features, the model expects {lin.in_features}")
+    ws = tensors[skey].float()
+    if ws.numel() != 1 or not torch.isfinite(ws).all() or ws.item() == 0:
+        raise ValueError(f"{skey}: expected one finite non-zero scale, got shape {tuple(ws.shape)}")
+    scale = 1.0 / ws if linear_class == "bitlinear" else ws
+    bias = tensors.get(name + ".bias")
+    return LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1), format="ternary",
+                                    bias=None if bias is None else _follow_dtype(bias, dtype),
+                                    granularity="tensor")
 
 
 def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat16,
                            bf16_gemv: bool = True) -> nn.Module:
     """Load an HF BitNet checkpoint directory into a transformers model whose
     quantised linears are LinearTernary (per-tensor scale), with no download
-    and no re-quantisation."""
-    from safetensors import safe_open
+    and no re-quantisation. Float tensors, biases included, are cast to dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -101,39 +156,15 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     targets = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and _selected(n, skip)}
 
-    dense: dict[str, torch.Tensor] = {}
-    converted = set()
-    for path in _checkpoint_files(directory):
-        with safe_open(path, framework="pt") as f:
-            keys = set(f.keys())
-            for name, lin in targets.items():
-                wkey = name + ".weight"
-                if wkey not in keys:
-                    continue
-                skey = name + ".weight_scale"
-                if skey not in keys:
-                    raise ValueError(f"{path}: {wkey} has no {skey}")
-                codes = unpack_hf_bitnet(f.get_tensor(wkey), lin.out_features, wkey)
-                if codes.shape[1] != lin.in_features:
-                    raise ValueError(f"{wkey}: {codes.shape[1]} input features, the model expects {lin.in_features}")
-                ws = f.get_tensor(skey).float()
-                if ws.numel() != 1 or not torch.isfinite(ws).all() or ws.item() == 0:
-                    raise ValueError(f"{skey}: expected one finite non-zero scale, got shape {tuple(ws.shape)}")
-                scale = 1.0 / ws if linear_class == "bitlinear" else ws
-                bias = f.get_tensor(name + ".bias") if name + ".bias" in keys else None
-                layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1),
-                                                 format="ternary", bias=bias, granularity="tensor")
-                replace_module(model, name, layer)
-                converted.add(name)
-            for k in keys:
-                module = k.rsplit(".", 1)[0]
-                if module not in targets:
-                    dense[k] = f.get_tensor(k)
-    missing_layers = sorted(set(targets) - converted)
-    if missing_layers:
-        raise ValueError(f"{directory}: no packed weight for layers {missing_layers[:5]}")
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in dense.items()},
-                          strict=False, assign=True)
+    with contextlib.ExitStack() as stack:
+        tensors = _CheckpointTensors(directory, stack)
+        missing_layers = sorted(n for n in targets if n + ".weight" not in tensors)
+        if missing_layers:
+            raise ValueError(f"{directory}: no packed weight for layers {missing_layers[:5]}")
+        for name, lin in targets.items():
+            replace_module(model, name, _ternary_layer(tensors, name, lin, linear_class, dtype))
+        dense = {k: _follow_dtype(tensors[k], dtype) for k in tensors if k.rsplit(".", 1)[0] not in targets}
+    model.load_state_dict(dense, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
