@@ -415,3 +415,17 @@ def test_unknown_isa_in_the_environment_warns():
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() in runtime.ISAS, out.stderr
     assert "ULB_ISA='avx-2' is not one of" in out.stderr
+
+
+def test_meta_input_to_a_module_gives_the_output_shape():
+    """Shape inference on meta inputs runs the reference path; its bias
+    followed the module's device and the call failed with a device clash."""
+    layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    y = layer(torch.randn(3, K, device="meta"))
+    assert y.is_meta and y.shape == (3, M)
+
+
+def test_read_probe_of_nothing():
+    assert runtime.read_probe(torch.zeros(0)) == 0
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        runtime.read_probe(torch.zeros(8, 2)[:, 0])

@@ -56,6 +56,8 @@ def read_probe(buffer, threads: int | None = None) -> int:
         raise ValueError("read_probe takes a contiguous CPU tensor")
     out = ctypes.c_uint64()
     n = buffer.numel() * buffer.element_size()
+    if n == 0:  # nothing to read (and an empty tensor has no data pointer)
+        return 0
     if _lib.ulb_read_probe(buffer.data_ptr(), n, threads or torch.get_num_threads(), ctypes.byref(out)) != 0:
         raise ValueError("read_probe: buffer must be 8-byte aligned")
     return out.value

@@ -193,7 +193,7 @@ class LowBitLinear(nn.Module):
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self._dequantized(x.device)
         xq = _FakeQuantSTE.apply(x) if torch.is_grad_enabled() else ops.fake_quantize_activations(x)
-        bias = None if self.bias is None else self.bias.float()
+        bias = None if self.bias is None else self.bias.to(device=x.device, dtype=torch.float32)
         return torch.nn.functional.linear(xq, w, bias).to(x.dtype)
 
     # ---- state dict -----------------------------------------------------------
