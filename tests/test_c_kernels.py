@@ -24,14 +24,14 @@ def _kernel_sources(x86):
     return sources
 
 
-def _build_and_run(cc, flags, sources, exe, runner=()):
+def _build_and_run(cc, flags, sources, exe, runner=(), isas_line=True):
     build = subprocess.run([cc, *flags, "-I" + os.path.join(ROOT, "kernels", "include"), *sources,
                             "-o", exe, "-lm", "-lpthread"], capture_output=True, text=True, timeout=180)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([*runner, exe], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(exe))
     assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
     assert " 0 failed" in run.stdout, run.stdout[-4000:]
-    return run.stdout.split("ISAs run:")[1].splitlines()[0].split()
+    return run.stdout.split("ISAs run:")[1].splitlines()[0].split() if isas_line else None
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
@@ -45,6 +45,14 @@ def test_c_kernels(tmp_path, emulate_avxvnni):
     isas = _build_and_run("gcc", flags, sources, str(tmp_path / "test_kernels"))
     if emulate_avxvnni and os.path.exists("/proc/cpuinfo") and _cpu_has_avx2():
         assert "avxvnni" in isas, isas
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_c_scheduler_table(tmp_path):
+    """The dynamic split's table fed made-up times (tests/c/test_sched.c):
+    the EMA update exactly, whatever else runs on the machine."""
+    sources = [os.path.join(ROOT, "tests", "c", "test_sched.c"), *_kernel_sources(x86=True)]
+    _build_and_run("gcc", CFLAGS, sources, str(tmp_path / "test_sched"), isas_line=False)
 
 
 AARCH64_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")

@@ -3,6 +3,8 @@ oracle (bit for bit) and against plain integer arithmetic in PyTorch."""
 import contextlib
 import ctypes
 import functools
+import os
+import platform
 import zlib
 
 import pytest
@@ -51,7 +53,36 @@ GRID += [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
 def use_kernels(name):
     isa, _, variant = name.partition("+")
     with runtime.use_isa(isa), runtime.use_lut1(variant != "nolut1" and runtime.lut1_available()):
+        # Else every "ISA against scalar" comparison could be one ISA twice.
+        assert runtime.get_isa() == isa and runtime.lut1_enabled() == (variant != "nolut1"
+                                                                         and runtime.lut1_available())
         yield
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(ln for ln in f if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or _cpu_flags() is None,
+                    reason="x86-64 with /proc/cpuinfo only")
+def test_detected_isas_match_cpuinfo():
+    """CPUID detection agrees with the kernel's view of the CPU: a detection
+    that lost an ISA would shrink every ISA parametrisation of this suite to
+    fewer kernels without a single failure."""
+    f = _cpu_flags()
+    avx2 = {"avx2", "fma"} <= f
+    want = {"scalar": True, "avx2": avx2,
+            "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f,
+            "avxvnni": avx2 and "avx_vnni" in f}
+    assert runtime.supported_isas() == [isa for isa in runtime.ISAS if want[isa]]
+    best = [isa for isa in ("avx512", "avxvnni", "avx2", "scalar") if want[isa]][0]
+    if not os.environ.get("ULB_ISA"):
+        assert runtime.get_isa() == best
 
 
 @functools.lru_cache(maxsize=4)

@@ -53,9 +53,9 @@ def models():
 def test_every_layer_matches_bitnet(models):
     base, bitnet, ours = models
     torch.manual_seed(1)
-    for name, layer in ours.named_modules():
-        if not isinstance(layer, LinearTernary):
-            continue
+    converted = [(n, m) for n, m in ours.named_modules() if isinstance(m, LinearTernary)]
+    assert converted
+    for name, layer in converted:
         ref = bitnet.get_submodule(name)
         # Same ternary weights and scale as BitNet, exactly.
         w_inv = 1.0 / ref.weight.abs().mean().clamp(min=1e-5)

@@ -1,11 +1,16 @@
 /* C unit test of kernels/: every ISA this CPU runs equals the scalar
  * reference bit for bit (integer dots, extremes included, and fp32 outputs of
  * the low-bit GEMV and GEMM, fp32 outputs of the bf16 GEMV), on odd shapes;
- * and the read probe's AVX2 loop sums what it reads. */
+ * ulb_linear's other inputs too (fp32 / bf16 activations and output, fp32 /
+ * bf16 / no bias, strided x, padded y), where each ISA also equals the scalar
+ * ISA on contiguous x and a double-precision reference; and the read probe's
+ * AVX2 loop sums what it reads. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../kernels/src/dtype.h"
 #include "../../kernels/src/internal.h"
 
 static uint32_t rng = 12345;
@@ -134,6 +139,152 @@ static int check_bf16(int64_t M, int64_t K, int64_t ldw, int64_t incx) {
     return fails;
 }
 
+/* Layouts of x (N x K) that ulb_linear takes, as the op passes a tensor's
+ * strides (csrc/ops.cpp): element (n, k) at n * ldx + k * incx. */
+enum { X_CONTIG, X_PADDED, X_STRIDED, X_TRANSPOSED, X_BROADCAST, X_LAYOUTS };
+static const char *const x_layout_name[X_LAYOUTS] = {"contig", "padded", "strided", "transposed", "broadcast"};
+
+static void x_strides(int layout, int64_t N, int64_t K, int64_t *ldx, int64_t *incx) {
+    switch (layout) {
+    case X_PADDED: *ldx = K + 3, *incx = 1; return;          /* rows of a wider tensor: SIMD quantiser */
+    case X_STRIDED: *ldx = 3 * K + 5, *incx = 3; return;     /* ldx > K, incx > 1: strided quantiser */
+    case X_TRANSPOSED: *ldx = 1, *incx = N; return;          /* x.t() of a contiguous K x N */
+    case X_BROADCAST: *ldx = 0, *incx = 1; return;           /* x.expand(N, K): one row for all tokens */
+    default: *ldx = K, *incx = 1; return;
+    }
+}
+
+/* One ulb_linear configuration: x of x_dt in `layout`, bias of bias_dt (none
+ * with has_bias 0), y of y_dt with row stride ldy (> M except for contiguous
+ * x), nthreads 2. Checks, bit for bit: every ISA's y (padding of y included,
+ * left untouched) against the scalar ISA's, and the scalar ISA's against its y
+ * from a contiguous copy of x; then the scalar y against a double-precision
+ * reference from the unpacked codes and activations quantised here. Elements
+ * of x's buffer outside the N x K view are NaN, so reading one shows. */
+static int check_linear(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N, ulb_dtype x_dt, int layout,
+                        int has_bias, ulb_dtype bias_dt, ulb_dtype y_dt) {
+    const ulb_format_info *fi = ulb_format_get(fmt);
+    const int64_t nb = ulb_packed_nbytes(fmt, M, K, gs);
+    if (nb < 0) { printf("nbytes error %s\n", ulb_status_str((ulb_status)-nb)); return 1; }
+    const int64_t G = gs <= 0 || gs >= K ? 1 : (K + gs - 1) / gs;
+    uint8_t *codes = malloc(M * K), *blob = malloc(nb);
+    float *sc = malloc(M * G * 4);
+    for (int64_t i = 0; i < M * K; i++) codes[i] = rnd() % (fi->max_code + 1);
+    for (int64_t i = 0; i < M * G; i++) sc[i] = (rnd() % 1000 + 1) * 1e-3f;
+    if (ulb_pack(fmt, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
+    ulb_weight w;
+    ulb_weight_view(blob, nb, &w);
+    const int64_t group = w.gsteps * ulb_tile_k(w.bits);
+
+    int64_t ldx, incx;
+    x_strides(layout, N, K, &ldx, &incx);
+    const size_t xe = x_dt == ULB_DT_F32 ? 4 : 2, ye = y_dt == ULB_DT_F32 ? 4 : 2;
+    const int64_t xlen = (N - 1) * ldx + (K - 1) * incx + 1, ldy = layout == X_CONTIG ? M : M + 5;
+    /* xv: the values, fp32 (exact for bf16 too); xs: the strided buffer; xc: a contiguous copy. */
+    float *xv = malloc(N * K * 4);
+    char *xs = malloc(xlen * xe), *xc = malloc(N * K * xe);
+    for (int64_t i = 0; i < xlen; i++) ulb_store_elem(xs, x_dt, i, NAN);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            float v = layout == X_BROADCAST && n ? xv[k] : ((int)(rnd() % 2001) - 1000) * 1e-3f;
+            if (x_dt == ULB_DT_BF16) v = ulb_bf16_to_f32(ulb_f32_to_bf16(v));
+            xv[n * K + k] = v;
+            ulb_store_elem(xs, x_dt, n * ldx + k * incx, v);
+            ulb_store_elem(xc, x_dt, n * K + k, v);
+        }
+    void *bias = NULL;
+    float *bv = calloc(M, 4);
+    if (has_bias) {
+        bias = malloc(M * (bias_dt == ULB_DT_F32 ? 4 : 2));
+        for (int64_t m = 0; m < M; m++) {
+            float v = ((int)(rnd() % 2001) - 1000) * 1e-3f;
+            if (bias_dt == ULB_DT_BF16) v = ulb_bf16_to_f32(ulb_f32_to_bf16(v));
+            bv[m] = v;
+            ulb_store_elem(bias, bias_dt, m, v);
+        }
+    }
+    char desc[200];
+    snprintf(desc, sizeof desc, "fmt=%d M=%ld K=%ld gs=%ld N=%ld x=%s/%s(ldx=%ld incx=%ld) bias=%s y=%s(ldy=%ld)", fmt,
+             (long)M, (long)K, (long)gs, (long)N, x_dt ? "bf16" : "f32", x_layout_name[layout], (long)ldx, (long)incx,
+             !has_bias ? "none" : bias_dt ? "bf16" : "f32", y_dt ? "bf16" : "f32", (long)ldy);
+
+    const size_t ybytes = (size_t)(N * ldy) * ye;
+    char *y[ULB_ISA_COUNT + 1];
+    int fails = 0;
+    for (int isa = 0; isa <= ULB_ISA_COUNT; isa++) { y[isa] = malloc(ybytes); memset(y[isa], 0xa5, ybytes); }
+    /* y[ULB_ISA_COUNT]: the scalar ISA on the contiguous copy */
+    for (int run = 0; run <= ULB_ISA_COUNT && !fails; run++) {
+        const int isa = run < ULB_ISA_COUNT ? run : 0;
+        if (!ulb_isa_supported(isa)) continue;
+        ulb_isa_set(isa);
+        const int contig = run == ULB_ISA_COUNT;
+        ulb_status st = ulb_linear(blob, nb, N, contig ? xc : xs, x_dt, contig ? K : ldx, contig ? 1 : incx, bias,
+                                   bias_dt, y[run], y_dt, ldy, 2);
+        if (st) { printf("linear failed %s: %s\n", ulb_status_str(st), desc); fails++; break; }
+        if (run && memcmp(y[0], y[run], ybytes)) {
+            printf("MISMATCH %s: %s\n", desc, contig ? "scalar, this x vs a contiguous copy" : ulb_isa_name(isa));
+            for (int64_t i = 0; i < N * ldy; i++)
+                if (memcmp(y[0] + i * ye, y[run] + i * ye, ye)) {
+                    printf("  first at n=%ld m=%ld: %g vs %g\n", (long)(i / ldy), (long)(i % ldy),
+                           ulb_load_elem(y[0], y_dt, i), ulb_load_elem(y[run], y_dt, i));
+                    break;
+                }
+            fails++;
+        }
+    }
+
+    /* Reference: BitNet's quantisation in fp32 (ulb.h), then every product in double. */
+    int8_t *q = malloc(K);
+    for (int64_t n = 0; n < N && !fails; n++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xv[n * K + k]));
+        const float inv = 127.0f / fmaxf(amax, 1e-5f), xscale = 1.0f / inv;
+        for (int64_t k = 0; k < K; k++) q[k] = (int8_t)fminf(fmaxf(rintf(xv[n * K + k] * inv), -128.0f), 127.0f);
+        for (int64_t m = 0; m < ldy && !fails; m++) {
+            const int64_t i = n * ldy + m;
+            if (m >= M) { /* padding of y: untouched */
+                for (size_t b = 0; b < ye; b++)
+                    if ((unsigned char)y[0][i * ye + b] != 0xa5) { printf("PADDING WRITTEN %s at n=%ld m=%ld\n", desc, (long)n, (long)m); fails++; break; }
+                continue;
+            }
+            double want = 0.0, mag = 0.0;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t dot = 0;
+                for (int64_t k = g * group; k < (g + 1) * group && k < K; k++)
+                    dot += (int64_t)(fi->level_a * codes[m * K + k] + fi->level_b) * q[k];
+                want += (double)sc[m * G + g] * (double)dot;
+                mag += fabs((double)sc[m * G + g] * (double)dot);
+            }
+            want = want * xscale + bv[m];
+            mag = mag * xscale + fabs(bv[m]);
+            const double got = ulb_load_elem(y[0], y_dt, i);
+            const double tol = 1e-5 * mag + (y_dt == ULB_DT_BF16 ? 0x1p-8 * fabs(want) : 0.0) + 1e-30;
+            if (!(fabs(got - want) <= tol)) {
+                printf("REFERENCE MISMATCH %s at n=%ld m=%ld: %.9g vs %.9g\n", desc, (long)n, (long)m, got, want);
+                fails++;
+            }
+        }
+    }
+    for (int isa = 0; isa <= ULB_ISA_COUNT; isa++) free(y[isa]);
+    free(q); free(bias); free(bv); free(xv); free(xs); free(xc); free(codes); free(blob); free(sc);
+    return fails;
+}
+
+/* check_linear over every (x dtype, y dtype, bias) on each shape, the x
+ * layout turning with the shape so that every combination of the four comes up. */
+static int check_linear_variants(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N, int *turn, int *n) {
+    int fails = 0;
+    for (int x_dt = 0; x_dt < 2; x_dt++)
+        for (int y_dt = 0; y_dt < 2; y_dt++)
+            for (int b = 0; b < 3; b++) {
+                const int layout = (*turn)++ % X_LAYOUTS;
+                fails += check_linear(fmt, M, K, gs, N, (ulb_dtype)x_dt, layout, b != 0, b == 2 ? ULB_DT_BF16 : ULB_DT_F32,
+                                      (ulb_dtype)y_dt);
+                (*n)++;
+            }
+    return fails;
+}
+
 #if defined(__x86_64__)
 /* ulb_probe_sum_avx2 against a plain sum of the words, for every length
  * around its 8-word step, from an unaligned start, with and without prefetch. */
@@ -186,6 +337,19 @@ int main(void) {
             fails += check_int_extremes(fmt, 65536, N);
             n++;
         }
+    /* ulb_linear's dtypes, bias and strides: M and K off the 64-row panel and
+     * the tiles, one and two groups, N = 1 (its own output path) and N > 1 (a
+     * partial block of ULB_NB_MAX tokens); the larger shape runs on two threads. */
+    int turn = 0;
+    const int64_t lin_MK[][2] = {{7, 33}, {100, 257}, {333, 1100}};
+    const int64_t lin_Ns[] = {1, 2, 5};
+    for (int fmt = ULB_FMT_INT2; fmt <= ULB_FMT_INT4; fmt++)
+        for (int a = 0; a < 3; a++)
+            for (int c = 0; c < 3; c++)
+                for (int d = 0; d < 2; d++) {
+                    if (a == 2 && (c == 1 || d == 1)) continue;
+                    fails += check_linear_variants(fmt, lin_MK[a][0], lin_MK[a][1], gss[d], lin_Ns[c], &turn, &n);
+                }
 #if defined(__x86_64__)
     if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n);
 #endif
