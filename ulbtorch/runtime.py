@@ -13,7 +13,7 @@ from . import _C
 
 _lib = ctypes.CDLL(_C.__file__)
 _MAX_THREADS = 64
-ISAS = ("scalar", "avx2", "avx512", "avxvnni")  # ulb_isa in kernels/include/ulb/ulb.h
+ISAS = ("scalar", "avx2", "avx512", "avxvnni", "portable")  # ulb_isa in kernels/include/ulb/ulb.h
 
 
 class _SchedStats(ctypes.Structure):
@@ -86,13 +86,15 @@ def set_isa(name: str) -> None:
         raise ValueError(f"unknown ISA {name!r}; choose from {ISAS}")
     if _lib.ulb_isa_set(ISAS.index(name)) != 0:
         raise RuntimeError(f"ISA {name!r} is not supported on this CPU (supported: {supported_isas()})")
-    bf16_gemv_native = name != "scalar"
+    bf16_gemv_native = name in _BF16_GEMV_ISAS
 
 
 # Whether the active ISA has a vector kernel for ulb.linear_bf16 (AVX2 or
-# AVX-512); without one nn.LinearBF16 leaves the call to F.linear. Kept in
-# Python so that the per-call check is a global read.
-bf16_gemv_native = get_isa() != "scalar"
+# AVX-512; the portable ISA runs the reference's rows); without one
+# nn.LinearBF16 leaves the call to F.linear. Kept in Python so that the
+# per-call check is a global read.
+_BF16_GEMV_ISAS = ("avx2", "avx512", "avxvnni")
+bf16_gemv_native = get_isa() in _BF16_GEMV_ISAS
 
 
 def _check_isa_env() -> None:

@@ -127,6 +127,8 @@ typedef void (*ulb_store_fn)(const ulb_out *o, const float *facc, int64_t n0, in
 
 void ulb_panel_ref(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                    int64_t n0, int nb, float *facc, int32_t *dots);
+void ulb_panel_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
+                        int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avxvnni(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                        int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,

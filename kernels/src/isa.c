@@ -1,4 +1,4 @@
-/* ISA selection: once, at load (CPUID, or env ULB_ISA=scalar|avx2|avx512|avxvnni);
+/* ISA selection: once, at load (CPUID, or env ULB_ISA=scalar|avx2|avx512|avxvnni|portable);
  * tests switch explicitly with ulb_isa_set to cover every path. */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -7,7 +7,7 @@
 
 #include "internal.h"
 
-static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2", "avx512", "avxvnni"};
+static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2", "avx512", "avxvnni", "portable"};
 
 const char *ulb_isa_name(ulb_isa isa) {
     return (unsigned)isa < ULB_ISA_COUNT ? ISA_NAMES[isa] : "unknown";
@@ -17,7 +17,8 @@ int ulb_isa_supported(ulb_isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     switch (isa) {
-    case ULB_ISA_SCALAR: return 1;
+    case ULB_ISA_SCALAR:
+    case ULB_ISA_PORTABLE: return 1;
     case ULB_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case ULB_ISA_AVX512:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -31,12 +32,12 @@ int ulb_isa_supported(ulb_isa isa) {
     }
     return 0;
 #else
-    return isa == ULB_ISA_SCALAR;
+    return isa == ULB_ISA_SCALAR || isa == ULB_ISA_PORTABLE;
 #endif
 }
 
 static _Atomic int active_isa = -1;
-static ulb_isa cpu_best = ULB_ISA_SCALAR; /* set once by isa_init */
+static ulb_isa cpu_best = ULB_ISA_PORTABLE; /* set once by isa_init */
 static _Atomic int lut1_on = 1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
@@ -105,6 +106,7 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     case ULB_ISA_AVX2: return ulb_panel_avx2;
     case ULB_ISA_AVXVNNI: return ulb_panel_avxvnni;
 #endif
+    case ULB_ISA_PORTABLE: return ulb_panel_portable;
     default: return ulb_panel_ref;
     }
 }

@@ -43,8 +43,11 @@ static int family_base(int bits) {
 
 int ulb_sched_family(int bits, ulb_isa isa) {
     const int base = family_base(bits);
-    /* The AVX-VNNI kernels are the AVX2 ones with another multiply: one table. */
-    return (base < 0 ? ULB_SCHED_BF16 : base) + (int)(isa == ULB_ISA_AVXVNNI ? ULB_ISA_AVX2 : isa);
+    /* The AVX-VNNI kernels are the AVX2 ones with another multiply: one
+     * table. The portable kernels share the scalar ones' (a CPU runs one of
+     * the two, the other only in tests). */
+    const ulb_isa slot = isa == ULB_ISA_AVXVNNI ? ULB_ISA_AVX2 : isa == ULB_ISA_PORTABLE ? ULB_ISA_SCALAR : isa;
+    return (base < 0 ? ULB_SCHED_BF16 : base) + (int)slot;
 }
 
 static void reset_table(table *t, int n) {

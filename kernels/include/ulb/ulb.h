@@ -143,9 +143,17 @@ ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, c
 /* ---- ISA ----------------------------------------------------------------- */
 
 /* AVXVNNI: the AVX2 kernels with AVX-VNNI's vpdpbusd (Intel client cores
- * without AVX-512); preferred to AVX2, AVX-512 to both. */
-typedef enum { ULB_ISA_SCALAR = 0, ULB_ISA_AVX2 = 1, ULB_ISA_AVX512 = 2, ULB_ISA_AVXVNNI = 3 } ulb_isa;
-#define ULB_ISA_COUNT 4
+ * without AVX-512); preferred to AVX2, AVX-512 to both. PORTABLE: plain C
+ * that the compiler vectorises (src/panel_portable.c), on every CPU; the
+ * default where none of the x86 kernels runs. SCALAR: the reference. */
+typedef enum {
+    ULB_ISA_SCALAR = 0,
+    ULB_ISA_AVX2 = 1,
+    ULB_ISA_AVX512 = 2,
+    ULB_ISA_AVXVNNI = 3,
+    ULB_ISA_PORTABLE = 4
+} ulb_isa;
+#define ULB_ISA_COUNT 5
 
 /* Best ISA this CPU supports, or the one named by env ULB_ISA at load. */
 ulb_isa ulb_isa_active(void);

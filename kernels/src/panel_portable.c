@@ -1,0 +1,91 @@
+/* Portable microkernel: plain C11 that compilers vectorise for the vector
+ * unit they target (NEON, SSE2, ...), for CPUs without one of the kernels of
+ * x86/ ("portable" ISA, the default there). Same contract as every ISA
+ * (internal.h): bit for bit the scalar reference.
+ *
+ * Where the reference fetches one code at a time through layout.h, this
+ * walks a group's code stream in address order and treats each 64-byte tile
+ * as 64 lanes: lane 4l + b of field f holds the code of row l, column 4f + b
+ * (layout.h), so a field times the four activations of its k-quad, repeated
+ * every 4 lanes, is one lane-wise multiply; the loops run over 8 lanes at
+ * a time against an 8-lane copy of those activations (a 64-lane copy per
+ * field ran 2-bit codes 8x slower).
+ * Lanes sum per k-step in int16 (|sum| <= 254 * 128 for 8-bit codes' one
+ * field, 4 * 3 * 128 for 2-bit's four) and per group in int32; the four
+ * lanes of a row add at the group's end. */
+#include <string.h>
+
+#include "internal.h"
+
+#define LANES ULB_TILE_BYTES
+#define PAT 8
+/* GCC 12 vectorises the loop over a tile's lanes with up to 4 fields inside
+ * (2-bit codes), not 8 (1-bit codes): those take two passes of 4, unrolled
+ * (left as a loop, the two passes kept 1-bit codes scalar: 6.4x slower). */
+#define FIELDS_AT_ONCE 4
+
+/* lanes[t][q] += sum over fields of code(t, q, field) * x[4 * field + q % 4]
+ * for the k-steps [0, steps) of one group, codes at `codes`, x at its first
+ * column. Inlined per code width, so that the fields, shifts and masks are
+ * constants and the lane loops vectorise. */
+ALWAYS_INLINE void group_lanes(const uint8_t *codes, int64_t steps, int nt, const int bits, const int8_t *x,
+                               int32_t lanes[ULB_PANEL_TILES][LANES]) {
+    const int fields = 8 / bits, tk = 32 / bits;
+    const unsigned mask = bits == 8 ? 0xffu : (1u << bits) - 1u;
+    int16_t xrep[8][PAT]; /* field f's four activations, twice: the pattern of 8 lanes (two rows) */
+    for (int64_t i = 0; i < steps; i++, x += tk) {
+        for (int f = 0; f < fields; f++)
+            for (int u = 0; u < PAT; u++) xrep[f][u] = x[4 * f + u % 4];
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *tile = codes + (i * nt + t) * LANES;
+            for (int q0 = 0; q0 < LANES; q0 += PAT)
+#pragma GCC unroll 2
+                for (int f0 = 0; f0 < fields; f0 += FIELDS_AT_ONCE) {
+                    const int nf = fields - f0 < FIELDS_AT_ONCE ? fields - f0 : FIELDS_AT_ONCE;
+                    int16_t sum[PAT];
+                    for (int u = 0; u < PAT; u++)
+                        sum[u] = (int16_t)((tile[q0 + u] >> (bits * f0)) & mask) * xrep[f0][u];
+                    for (int f = f0 + 1; f < f0 + nf; f++)
+                        for (int u = 0; u < PAT; u++)
+                            sum[u] += (int16_t)((tile[q0 + u] >> (bits * f)) & mask) * xrep[f][u];
+                    for (int u = 0; u < PAT; u++) lanes[t][q0 + u] += sum[u];
+                }
+        }
+    }
+}
+
+static void group_lanes_of_width(const uint8_t *codes, int64_t steps, int nt, int bits, const int8_t *x,
+                                 int32_t lanes[ULB_PANEL_TILES][LANES]) {
+    switch (bits) {
+    case 1: group_lanes(codes, steps, nt, 1, x, lanes); return;
+    case 2: group_lanes(codes, steps, nt, 2, x, lanes); return;
+    case 4: group_lanes(codes, steps, nt, 4, x, lanes); return;
+    default: group_lanes(codes, steps, nt, 8, x, lanes); return;
+    }
+}
+
+void ulb_panel_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                        float *facc, int32_t *dots) {
+    const int64_t p = tile0 / ULB_PANEL_TILES, tk = ulb_tile_k(w->bits);
+    for (int j = 0; j < nb; j++)
+        for (int r = 0; r < ntiles * ULB_TILE; r++) facc[j * ULB_PANEL_ROWS + r] = 0.0f;
+    for (int64_t g = 0; g < w->n_groups; g++) {
+        const uint8_t *base = ulb_group_base(w, p, ntiles, g);
+        const uint8_t *codes = base + ntiles * ULB_TILE_SCALE_BYTES;
+        const int64_t ks0 = g * w->gsteps, ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        for (int j = 0; j < nb; j++) {
+            int32_t lanes[ULB_PANEL_TILES][LANES];
+            memset(lanes, 0, sizeof lanes);
+            group_lanes_of_width(codes, ks1 - ks0, ntiles, w->bits, a->xq + (n0 + j) * a->ldq + ks0 * tk, lanes);
+            const int32_t xsum = a->xsum[(n0 + j) * w->n_groups + g];
+            for (int r = 0; r < ntiles * ULB_TILE; r++) {
+                const int32_t *l4 = &lanes[r / ULB_TILE][4 * (r % ULB_TILE)];
+                const int32_t dot = w->level_a * (l4[0] + l4[1] + l4[2] + l4[3]) + w->level_b * xsum;
+                float s;
+                memcpy(&s, base + r * 4, sizeof s);
+                facc[j * ULB_PANEL_ROWS + r] = facc[j * ULB_PANEL_ROWS + r] + s * (float)dot;
+                if (dots) dots[(j * w->n_groups + g) * ULB_PANEL_ROWS + r] = dot;
+            }
+        }
+    }
+}
