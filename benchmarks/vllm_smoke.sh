@@ -3,7 +3,8 @@
 # system torch 2.13.0+cpu (and the ulbtorch installed by the README commands), quantises a tiny Llama
 # built from a config with transformers + UlbConfig, saves it packed, serves it with
 # LLM(...).generate and compares the greedy tokens with transformers'.
-# Three checkpoints: lm_head left bf16, lm_head int8 and lm_head int4 in groups of 32 (lm_head_bits);
+# Four checkpoints: lm_head left bf16, lm_head int8 and lm_head int4 in groups of 32 (lm_head_bits), and
+# lm_head and the attention's q/k/v left bf16 (modules_to_not_convert; vLLM serves q/k/v as one merged layer);
 # the vocabulary of 500 is not a multiple of 64, so vLLM pads the quantized lm_head's rows. The int4
 # checkpoint is served once more at tensor_parallel_size=2 (one rank per core, bound by
 # VLLM_CPU_OMP_THREADS_BIND; vLLM otherwise wants a NUMA node per rank), which splits every layer and
@@ -28,7 +29,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import ulbtorch
 
 work, head, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-HEADS = {"bf16": {}, "int8": dict(lm_head_bits=8), "int4": dict(lm_head_bits=4, lm_head_group_size=32)}
+HEADS = {"bf16": {}, "int8": dict(lm_head_bits=8), "int4": dict(lm_head_bits=4, lm_head_group_size=32),
+         # bf16 lm_head, and q/k/v kept bf16 too: vLLM merges them into one qkv_proj layer
+         "bf16-qkv": dict(modules_to_not_convert=["lm_head", "*.q_proj", "*.k_proj", "*.v_proj"])}
 PROMPT = [1, 5, 7, 9]
 
 
@@ -79,7 +82,7 @@ def main():
 if __name__ == "__main__":  # vLLM starts worker processes with spawn
     main()
 PY
-for run in "bf16 1" "int8 1" "int4 1" "int4 2"; do
+for run in "bf16 1" "int8 1" "int4 1" "int4 2" "bf16-qkv 1"; do
   read -r head tp <<<"$run"
   rm -rf "${WORK:?}/float" "$WORK/ulb"
   VLLM_CPU_OMP_THREADS_BIND=$([ "$tp" = 2 ] && echo "0|1" || echo auto) "$VENV/bin/python" "$WORK/smoke.py" "$WORK" "$head" "$tp"

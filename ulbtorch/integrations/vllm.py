@@ -73,9 +73,30 @@ class UlbVllmConfig(QuantizationConfig):
             return UlbBF16HeadMethod() if self.quant.bf16_gemv else None
         if not isinstance(layer, LinearBase):
             return None
-        if any(fnmatch.fnmatchcase(prefix, p) for p in self.modules_to_not_convert):
+        if self._skipped(prefix):
             return UnquantizedLinearMethod()
         return UlbLinearMethod(self.quant)
+
+    def _matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.modules_to_not_convert)
+
+    def _skipped(self, prefix: str) -> bool:
+        """Whether modules_to_not_convert keeps this layer in bf16. vLLM
+        merges q/k/v and gate/up into one layer (qkv_proj, gate_up_proj, as
+        the model's packed_modules_mapping says) while the patterns name the
+        checkpoint's layers, so a merged layer is matched by its own name or by
+        its shards' names, which must then agree: one merged weight has one
+        format."""
+        if self._matches(prefix):
+            return True
+        head, _, proj = prefix.rpartition(".")
+        shards = [f"{head}.{s}" if head else s for s in self.packed_modules_mapping.get(proj, ())]
+        kept = [s for s in shards if self._matches(s)]
+        if kept and len(kept) != len(shards):
+            raise ValueError(f"{prefix} merges {shards}, of which modules_to_not_convert "
+                             f"({self.modules_to_not_convert}) keeps only {kept} in bf16: the layers of one merged "
+                             "matrix must share one format")
+        return bool(shards) and len(kept) == len(shards)
 
 
 class UlbBF16HeadMethod(UnquantizedEmbeddingMethod):

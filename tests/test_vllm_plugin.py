@@ -1,0 +1,33 @@
+"""The vLLM plugin's choice of method per layer; needs vLLM (not installed in
+CI: benchmarks/vllm_smoke.sh installs it in a venv and serves checkpoints)."""
+import pytest
+
+pytest.importorskip("vllm")
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod  # noqa: E402
+
+from ulbtorch.integrations.vllm import UlbLinearMethod, UlbVllmConfig  # noqa: E402
+
+MERGED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _method(skip, prefix):
+    cfg = UlbVllmConfig.from_config({"bits": 2, "modules_to_not_convert": skip})
+    cfg.packed_modules_mapping = dict(MERGED)  # what vLLM sets from the model class
+    layer = LinearBase.__new__(LinearBase)  # the method depends on the type and prefix alone
+    return type(cfg.get_quant_method(layer, prefix))
+
+
+def test_merged_layers_follow_their_shards():
+    attn = "model.layers.0.self_attn.qkv_proj"
+    assert _method(["*.q_proj", "*.k_proj", "*.v_proj"], attn) is UnquantizedLinearMethod
+    assert _method(["*.self_attn.*"], attn) is UnquantizedLinearMethod
+    assert _method(["*.qkv_proj"], attn) is UnquantizedLinearMethod  # the merged name itself
+    assert _method(["*.q_proj", "*.k_proj", "*.v_proj"], "model.layers.0.mlp.gate_up_proj") is UlbLinearMethod
+    assert _method(["*.down_proj"], "model.layers.0.mlp.down_proj") is UnquantizedLinearMethod
+    assert _method(None, attn) is UlbLinearMethod
+    assert _method([], "model.layers.0.mlp.down_proj") is UlbLinearMethod
+
+
+def test_merged_layer_with_shards_of_two_formats_is_an_error():
+    with pytest.raises(ValueError, match=r"qkv_proj merges .* keeps only \['model.layers.0.self_attn.q_proj'\]"):
+        _method(["*.q_proj"], "model.layers.0.self_attn.qkv_proj")
