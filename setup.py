@@ -31,8 +31,8 @@ class BuildExtensionOptional(BuildExtension):
 
 
 # The SIMD kernels of kernels/x86 only where the compiler targets x86-64;
-# elsewhere (aarch64, ...) every call runs the scalar reference kernels,
-# which kernels/src selects when no x86 ISA is compiled in.
+# elsewhere (aarch64, ...) the calls run the portable kernel of kernels/src
+# (ISA "portable"), which isa.c selects when no x86 ISA is compiled in.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 KERNEL_SOURCES = sorted(
     os.path.relpath(p, ROOT)

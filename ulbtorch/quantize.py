@@ -57,7 +57,7 @@ class QuantConfig:
     granularity: str | None = None
     method: str | None = None
     include: list[str] = field(default_factory=lambda: ["*"])
-    exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
+    exclude: list[str] = field(default_factory=lambda: list(LM_HEAD))
     bf16_gemv: bool = True
     lm_head_bits: int | float | str | None = None
     lm_head_group_size: int = 0

@@ -14,7 +14,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import patterns
-from ..quantize import QuantConfig, quantize_
+from ..quantize import LM_HEAD, QuantConfig, quantize_
 
 QUANT_METHOD = "ulb"
 
@@ -39,7 +39,7 @@ class UlbConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         # [] converts every layer, as in transformers' other quantizers; None is the default.
         if modules_to_not_convert is None:
-            modules_to_not_convert = ["lm_head", "*.lm_head"]
+            modules_to_not_convert = list(LM_HEAD)
         self.modules_to_not_convert = patterns(modules_to_not_convert,
                                                "modules_to_not_convert")
         q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
 from ..nn.bf16 import gemv_serves
-from ..quantize import QuantConfig
+from ..quantize import LM_HEAD, QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
 
 QUANT_METHOD = "ulb"
@@ -58,7 +58,7 @@ class UlbVllmConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
         skip = config.get("modules_to_not_convert")
-        skip = ["lm_head", "*.lm_head"] if skip is None else list(skip)
+        skip = list(LM_HEAD) if skip is None else list(skip)
         quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
                             group_size=config.get("group_size", 0), granularity=config.get("granularity"),
                             method=config.get("method"), exclude=skip, bf16_gemv=config.get("bf16_gemv", True),
