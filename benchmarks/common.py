@@ -213,11 +213,24 @@ def num_threads(n: int):
 
 # ---- memory bandwidth ---------------------------------------------------------
 
+def _probe(streams: int):
+    def read(t):
+        import ulbtorch
+
+        return ulbtorch.runtime.read_probe(t, streams=streams)
+    return read
+
+
 _READ_KERNELS = {
     # Copy-free reductions: each reads every byte once and writes nothing.
     "int64.sum": lambda t: t.view(torch.int64).sum(),
     "int64.max": lambda t: t.view(torch.int64).max(),
     "fp32.sum": lambda t: t.view(torch.float32).sum(),
+    # ulbtorch's read probe: one run per thread, as the GEMV kernels read, and
+    # four runs read a line of each in turn, which some cores (Zen 3) read
+    # 1.3-1.6x faster than one (kernels/src/probe.c).
+    "probe": _probe(1),
+    "probe.x4": _probe(4),
 }
 
 
@@ -225,10 +238,13 @@ def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = 51
                            methods: Sequence[str] | None = None, verbose: bool = False) -> dict[int, dict]:
     """DRAM read bandwidth (GB/s, 1e9 bytes/s) per thread count, in-process.
 
-    Reduces a size_bytes buffer (far larger than L3) with a few copy-free
-    reductions and keeps, per thread count, the best of the per-method
-    medians: the rate torch itself can read memory at, the roof for a
-    memory-bound GEMV. Returns {threads: {"gbps": x, "method": name, "all": {...}}}.
+    Reads a size_bytes buffer (far larger than L3) with a few copy-free
+    reductions and ulbtorch's read probe and keeps, per thread count, the
+    best of the per-method medians: the fastest this machine was seen to read
+    memory, the roof for a memory-bound GEMV. Returns {threads: {"gbps": x,
+    "method": name, "all": {...}, "probe_streams": 1 or 4}}, the last the
+    probe's faster setting (1 if only one was measured), for reading other
+    buffers as fast.
     """
     methods = list(methods or _READ_KERNELS)
     t = torch.empty(size_bytes // 8, dtype=torch.int64)
@@ -243,7 +259,8 @@ def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = 51
                 med = median_time(lambda: f(buf), reps=reps, warmup=1)
                 per[m] = buf.numel() / med / 1e9
             best = max(per, key=per.get)
-            out[nt] = {"gbps": per[best], "method": best, "all": per}
+            streams = 4 if per.get("probe.x4", 0) > per.get("probe", math.inf) else 1
+            out[nt] = {"gbps": per[best], "method": best, "all": per, "probe_streams": streams}
             if verbose:
                 print(f"  read bandwidth, {nt} thread(s): " +
                       ", ".join(f"{m} {v:.1f}" for m, v in per.items()) + f" GB/s -> {per[best]:.1f}")

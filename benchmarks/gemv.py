@@ -238,9 +238,12 @@ def main(argv=None):
                     for nt in threads:
                         torch.set_num_threads(nt)
                         # The same blobs, read with the same pool, split and
-                        # thread count: the roofline for this access pattern.
+                        # thread count, as one run per thread or several
+                        # (whichever read the big buffer faster): the
+                        # roofline for these blobs.
+                        streams = bw[nt]["probe_streams"]
                         stream = [([m.packed for m in rot.items] if args.module else rot.items,
-                                   lambda b: ulbtorch.runtime.read_probe(b, nt)) for rot in rots.values()]
+                                   lambda b: ulbtorch.runtime.read_probe(b, nt, streams)) for rot in rots.values()]
                         samples = []
                         times = common.time_interleaved(
                             [(wb, lambda w: F.linear(xb, w))] + [(rots[f].items, calls[f]) for f in formats] + stream,

@@ -429,3 +429,14 @@ def test_read_probe_of_nothing():
     assert runtime.read_probe(torch.zeros(0)) == 0
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         runtime.read_probe(torch.zeros(8, 2)[:, 0])
+
+
+@pytest.mark.parametrize("streams", [0, -1, 9, 2.0, True, None])
+def test_read_probe_stream_count(streams):
+    with pytest.raises(ValueError, match="streams must be an int in \\[1, 8\\]"):
+        runtime.read_probe(torch.zeros(64), 1, streams)
+
+
+def test_read_probe_misaligned():
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        runtime.read_probe(torch.zeros(80, dtype=torch.uint8)[3:])

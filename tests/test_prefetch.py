@@ -142,10 +142,13 @@ def test_bad_environment_value_is_ignored_with_a_warning(value):
 
 
 def test_read_probe_checksum_does_not_depend_on_distance(gen):
-    """The read probe prefetches at the 2-bit distance; what it reads is the same."""
+    """The read probe prefetches at the 2-bit distance and may read several
+    runs in turn; what it reads is the same."""
     buf = torch.randint(0, 256, (3 * (1 << 20) + 8 * 7,), generator=gen, dtype=torch.uint8)
     want = int(buf.view(torch.int64).sum()) % (1 << 64)
     for d in (0, 64, 8192, 1 << 20):
         runtime.set_prefetch_distance(2, d)
         for threads in (1, 2):
             assert runtime.read_probe(buf, threads) == want, (d, threads)
+            for streams in (2, 3, runtime.PROBE_MAX_STREAMS):
+                assert runtime.read_probe(buf, threads, streams) == want, (d, threads, streams)

@@ -43,23 +43,33 @@ _lib.ulb_sched_set_slowdown.argtypes = [ctypes.c_int, ctypes.c_double]
 
 
 _lib.ulb_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+_lib.ulb_read_probe_streams.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                        ctypes.POINTER(ctypes.c_uint64)]
+PROBE_MAX_STREAMS = 8  # ULB_PROBE_MAX_STREAMS
 
 
-def read_probe(buffer, threads: int | None = None) -> int:
+def read_probe(buffer, threads: int | None = None, streams: int = 1) -> int:
     """Stream-read a contiguous CPU tensor through the kernels' thread pool
     and work split (the GEMV's memory roofline); returns a checksum. It
     prefetches like the 2-bit kernel on long groups, so set_prefetch_distance(2,
-    ...) moves it too."""
+    ...) moves it too. streams > 1 reads each thread's share, 1 MiB at a
+    time, as that many runs, a 64-byte line of each in turn: the same bytes
+    and checksum, and on some cores (Zen 3) more bandwidth than one run."""
     import torch
 
     if not (isinstance(buffer, torch.Tensor) and buffer.is_cpu and buffer.is_contiguous()):
         raise ValueError("read_probe takes a contiguous CPU tensor")
+    if not (_is_int(streams) and 1 <= streams <= PROBE_MAX_STREAMS):
+        raise ValueError(f"read_probe: streams must be an int in [1, {PROBE_MAX_STREAMS}], got {streams!r}")
     out = ctypes.c_uint64()
     n = buffer.numel() * buffer.element_size()
     if n == 0:  # nothing to read (and an empty tensor has no data pointer)
         return 0
-    if _lib.ulb_read_probe(buffer.data_ptr(), n, threads or torch.get_num_threads(), ctypes.byref(out)) != 0:
+    if buffer.data_ptr() % 8:
         raise ValueError("read_probe: buffer must be 8-byte aligned")
+    if _lib.ulb_read_probe_streams(buffer.data_ptr(), n, threads or torch.get_num_threads(), streams,
+                                   ctypes.byref(out)) != 0:
+        raise ValueError("read_probe: the kernels refused the buffer")
     return out.value
 
 

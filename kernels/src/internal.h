@@ -143,10 +143,13 @@ void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int 
  * ulb_isa_set chose. */
 ulb_isa ulb_isa_best(void);
 
-/* The read probe's loop over `words` 8-byte words at q, prefetching dist
- * bytes ahead (0: none): their sum modulo 2^64 (probe.c). */
-typedef uint64_t (*ulb_probe_sum_fn)(const uint64_t *q, int64_t words, int64_t dist);
-uint64_t ulb_probe_sum_avx2(const uint64_t *q, int64_t words, int64_t dist);
+/* The read probe's loop over `words` 8-byte words at q, read as `streams`
+ * interleaved runs of ulb_probe_run_words words (a line of each in turn),
+ * then the tail, prefetching dist bytes ahead of each (0: none): their sum
+ * modulo 2^64 (probe.c). */
+typedef uint64_t (*ulb_probe_sum_fn)(const uint64_t *q, int64_t words, int streams, int64_t dist);
+uint64_t ulb_probe_sum_avx2(const uint64_t *q, int64_t words, int streams, int64_t dist);
+static inline int64_t ulb_probe_run_words(int64_t words, int streams) { return words / streams / 8 * 8; }
 
 /* Quantise one contiguous activation row to int8 and sum it per group:
  * q[k] for k < K, xsum[g] = sum of q over [g*group, min((g+1)*group, K)) for

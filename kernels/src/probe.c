@@ -13,39 +13,56 @@
  *   and with 8 KiB ahead that plain loop gains only 1.01-1.12x, while the
  *   32-byte loop loses with it (0.84-0.91x, prefetch_sweep), so the prefetch
  *   rule above stands. Intel CPUs of that kind (32-byte loads with 8 KiB
- *   ahead) have not been measured. */
+ *   ahead) have not been measured.
+ * - One thread reading one sequential run may not draw all the bandwidth its
+ *   core can: on the Zen 3 VM of benchmarks/results one core reads 17-20
+ *   GB/s from one run and 26-28 from four runs read a line of each in turn
+ *   (two cores: 29-32 against 34-37). ulb_read_probe_streams reads each
+ *   thread's share, 1 MiB at a time, as `streams` such runs (runs of a whole
+ *   share lie hundreds of MiB apart on big buffers and there fell to 0.9x of
+ *   one run). ulb_read_probe reads one run, the access pattern of the GEMV
+ *   kernels; the benchmarks time both and take the faster as the machine's
+ *   read bandwidth. */
 #include <stdatomic.h>
 
 #include "internal.h"
 #include "sched.h"
 
 #define PROBE_UNIT (64 * 1024)
+#define PROBE_CHUNK (1 << 20) /* bytes read as one set of interleaved runs */
 
 typedef struct {
     const uint8_t *p;
     int64_t nbytes, prefetch;
+    int streams;
     ulb_probe_sum_fn sum_fn;
     _Atomic uint64_t sum;
 } probe_job;
 
 /* prefetch: a constant, so that the loop without it is the plain one. */
-ALWAYS_INLINE uint64_t sum_words(const uint64_t *q, int64_t words, int64_t dist, const int prefetch) {
+ALWAYS_INLINE uint64_t sum_words(const uint64_t *q, int64_t words, int streams, int64_t dist, const int prefetch) {
     const uint8_t *end = (const uint8_t *)(q + words);
+    const int64_t run = ulb_probe_run_words(words, streams);
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    int64_t i = 0;
-    for (; i + 4 <= words; i += 4) {
-        if (prefetch && i % 8 == 0) ulb_prefetch_ahead((const uint8_t *)(q + i), dist, end); /* once a line */
-        s0 += q[i];
-        s1 += q[i + 1];
-        s2 += q[i + 2];
-        s3 += q[i + 3];
-    }
-    for (; i < words; i++) s0 += q[i];
+    for (int64_t i = 0; i < run; i += 8) /* a line of each run in turn */
+        for (int r = 0; r < streams; r++) {
+            const uint64_t *l = q + r * run + i;
+            if (prefetch) ulb_prefetch_ahead((const uint8_t *)l, dist, end);
+            s0 += l[0];
+            s1 += l[1];
+            s2 += l[2];
+            s3 += l[3];
+            s0 += l[4];
+            s1 += l[5];
+            s2 += l[6];
+            s3 += l[7];
+        }
+    for (int64_t i = streams * run; i < words; i++) s0 += q[i];
     return s0 + s1 + s2 + s3;
 }
 
-static uint64_t sum_plain(const uint64_t *q, int64_t words, int64_t dist) {
-    return dist ? sum_words(q, words, dist, 1) : sum_words(q, words, 0, 0);
+static uint64_t sum_plain(const uint64_t *q, int64_t words, int streams, int64_t dist) {
+    return dist ? sum_words(q, words, streams, dist, 1) : sum_words(q, words, streams, 0, 0);
 }
 
 /* Where AVX2 is the CPU's best ISA, ulb_probe_sum_avx2; on AVX-512 CPUs the
@@ -62,16 +79,26 @@ static ulb_probe_sum_fn probe_sum_for_cpu(void) {
 static void probe_range(void *ctx, int64_t u0, int64_t u1) {
     probe_job *job = ctx;
     const int64_t end = u1 * PROBE_UNIT < job->nbytes ? u1 * PROBE_UNIT : job->nbytes;
-    const uint64_t *q = (const uint64_t *)(job->p + u0 * PROBE_UNIT);
-    atomic_fetch_add(&job->sum, job->sum_fn(q, (end - u0 * PROBE_UNIT) / 8, job->prefetch));
+    uint64_t sum = 0;
+    for (int64_t b = u0 * PROBE_UNIT; b < end; b += PROBE_CHUNK) {
+        const int64_t n = end - b < PROBE_CHUNK ? end - b : PROBE_CHUNK;
+        sum += job->sum_fn((const uint64_t *)(job->p + b), n / 8, job->streams, job->prefetch);
+    }
+    atomic_fetch_add(&job->sum, sum);
 }
 
-ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum) {
-    if (!p || nbytes < 0 || ((uintptr_t)p % 8)) return ULB_ERR_SHAPE;
-    probe_job job = {p, nbytes, ulb_prefetch_resolve_for(ULB_ISA_AVX512, 2, nthreads, INT64_MAX),
+ulb_status ulb_read_probe_streams(const uint8_t *p, int64_t nbytes, int nthreads, int streams,
+                                  uint64_t *checksum) {
+    if (!p || nbytes < 0 || ((uintptr_t)p % 8) || streams < 1 || streams > ULB_PROBE_MAX_STREAMS)
+        return ULB_ERR_SHAPE;
+    probe_job job = {p, nbytes, ulb_prefetch_resolve_for(ULB_ISA_AVX512, 2, nthreads, INT64_MAX), streams,
                       probe_sum_for_cpu(), 0};
     ulb_status st = ulb_parallel(ULB_SCHED_PROBE, nthreads, (nbytes + PROBE_UNIT - 1) / PROBE_UNIT,
                                  probe_range, &job);
     if (checksum) *checksum = atomic_load(&job.sum);
     return st;
+}
+
+ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum) {
+    return ulb_read_probe_streams(p, nbytes, nthreads, 1, checksum);
 }

@@ -3,8 +3,9 @@
  * the low-bit GEMV and GEMM, fp32 outputs of the bf16 GEMV), on odd shapes;
  * ulb_linear's other inputs too (fp32 / bf16 activations and output, fp32 /
  * bf16 / no bias, strided x, padded y), where each ISA also equals the scalar
- * ISA on contiguous x and a double-precision reference; and the read probe's
- * AVX2 loop sums what it reads. */
+ * ISA on contiguous x and a double-precision reference; and the read probe
+ * sums what it reads, as one run or several, through its AVX2 loop and
+ * through ulb_read_probe_streams. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -287,28 +288,66 @@ static int check_linear_variants(int fmt, int64_t M, int64_t K, int64_t gs, int6
 
 #if defined(__x86_64__)
 /* ulb_probe_sum_avx2 against a plain sum of the words, for every length
- * around its 8-word step, from an unaligned start, with and without prefetch. */
+ * around its 8-word step and its runs' line multiples, from an unaligned
+ * start, with and without prefetch, as one run and as several. */
 static int check_probe_sum(int *n) {
     enum { WORDS = 5000 };
     uint64_t *buf = malloc((WORDS + 1) * 8);
     for (int64_t i = 0; i <= WORDS; i++) buf[i] = (uint64_t)rnd() << 40 ^ (uint64_t)rnd() << 20 ^ rnd();
     int fails = 0;
-    const int64_t lengths[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 63, 64, 65, WORDS - 1, WORDS};
+    const int64_t lengths[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 23, 24, 25, 63, 64, 65, WORDS - 1, WORDS};
     const int64_t dists[] = {0, 64, 4096};
+    const int streams[] = {1, 2, 3, 4, ULB_PROBE_MAX_STREAMS};
     const int nlengths = (int)(sizeof lengths / sizeof *lengths), ndists = (int)(sizeof dists / sizeof *dists);
-    for (int a = 0; a < nlengths; a++) for (int off = 0; off < 2; off++) for (int d = 0; d < ndists; d++) {
+    const int nstreams = (int)(sizeof streams / sizeof *streams);
+    for (int a = 0; a < nlengths; a++) for (int off = 0; off < 2; off++) for (int d = 0; d < ndists; d++)
+        for (int s = 0; s < nstreams; s++) {
+            uint64_t want = 0;
+            for (int64_t i = 0; i < lengths[a]; i++) want += buf[off + i];
+            (*n)++;
+            if (ulb_probe_sum_avx2(buf + off, lengths[a], streams[s], dists[d]) != want) {
+                printf("probe sum mismatch: %ld words from word %d, prefetch %ld, %d runs\n", (long)lengths[a], off,
+                       (long)dists[d], streams[s]);
+                fails++;
+            }
+        }
+    free(buf);
+    return fails;
+}
+#endif
+
+/* ulb_read_probe_streams (whichever loop this CPU reads with) against a
+ * plain sum, over sizes around its 1 MiB chunks and 64 KiB units, on one
+ * thread and two; and its refusal of a stream count out of range. */
+static int check_read_probe(int *n) {
+    const int64_t words = (3 << 20) / 8 + 13;
+    uint64_t *buf = malloc(words * 8);
+    for (int64_t i = 0; i < words; i++) buf[i] = (uint64_t)rnd() << 40 ^ (uint64_t)rnd() << 20 ^ rnd();
+    const int64_t sizes[] = {0, 8, 8 * 41, 64 << 10, (1 << 20) - 8, (1 << 20) + 8 * 9, words * 8};
+    int fails = 0;
+    for (int z = 0; z < (int)(sizeof sizes / sizeof *sizes); z++) {
         uint64_t want = 0;
-        for (int64_t i = 0; i < lengths[a]; i++) want += buf[off + i];
+        for (int64_t i = 0; i < sizes[z] / 8; i++) want += buf[i];
+        for (int s = 1; s <= ULB_PROBE_MAX_STREAMS; s++) for (int t = 1; t <= 2; t++) {
+            uint64_t got = 0;
+            (*n)++;
+            if (ulb_read_probe_streams((const uint8_t *)buf, sizes[z], t, s, &got) != ULB_OK || got != want) {
+                printf("read probe mismatch: %ld bytes, %d runs, %d threads\n", (long)sizes[z], s, t);
+                fails++;
+            }
+        }
+    }
+    const int bad[] = {0, -1, ULB_PROBE_MAX_STREAMS + 1};
+    for (int b = 0; b < 3; b++) {
         (*n)++;
-        if (ulb_probe_sum_avx2(buf + off, lengths[a], dists[d]) != want) {
-            printf("probe sum mismatch: %ld words from word %d, prefetch %ld\n", (long)lengths[a], off, (long)dists[d]);
+        if (ulb_read_probe_streams((const uint8_t *)buf, 64, 1, bad[b], NULL) != ULB_ERR_SHAPE) {
+            printf("read probe took %d runs\n", bad[b]);
             fails++;
         }
     }
     free(buf);
     return fails;
 }
-#endif
 
 int main(void) {
     int fails = 0, n = 0;
@@ -353,6 +392,7 @@ int main(void) {
 #if defined(__x86_64__)
     if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n);
 #endif
+    fails += check_read_probe(&n);
     printf("ISAs run:");
     for (int isa = 0; isa < ULB_ISA_COUNT; isa++)
         if (ulb_isa_supported(isa)) printf(" %s", ulb_isa_name(isa));

@@ -131,6 +131,13 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
  * run as the kernels. It prefetches at the 2-bit setting resolved for long
  * groups (see ulb_prefetch_set; 8 KiB on Intel, none on AMD by default). */
 ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum);
+/* The same bytes and checksum, each thread's share read 1 MiB at a time as
+ * `streams` (1 to ULB_PROBE_MAX_STREAMS) equal runs, a 64-byte line of each
+ * in turn: some cores draw more bandwidth from several runs than from one
+ * (probe.c). ULB_ERR_SHAPE for another count. */
+#define ULB_PROBE_MAX_STREAMS 8
+ulb_status ulb_read_probe_streams(const uint8_t *p, int64_t nbytes, int nthreads, int streams,
+                                  uint64_t *checksum);
 
 /* One token through a plain bf16 weight w (M x K, row stride ldw >= K) and
  * bf16 activations x: y[m] = sum_k w[m,k] x[k*incx] (+ bias[m]) in fp32, in
