@@ -16,11 +16,13 @@ static double now_ns(void) {
 
 int main(int argc, char **argv) {
     const int64_t M = 256, K = argc > 1 ? atoll(argv[1]) : 4096;
-    for (int fmt = ULB_FMT_INT2_SYM; fmt <= ULB_FMT_BINARY; fmt += 2) {
+    const int fmts[] = {ULB_FMT_INT2_SYM, ULB_FMT_BINARY, ULB_FMT_INT4};
+    for (int f = 0; f < 3; f++) {
+        const int fmt = fmts[f], bits = ulb_format_get(fmt)->bits;
         const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
         uint8_t *codes = calloc(M * K, 1), *blob = ulb_aligned_alloc(nbytes);
         float *sc = calloc(M, 4);
-        for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (fmt == ULB_FMT_BINARY ? 2 : 4));
+        for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (1 << bits));
         for (int64_t i = 0; i < M; i++) sc[i] = 1.0f;
         ulb_pack(fmt, M, K, 0, codes, K, sc, blob, nbytes);
         ulb_weight w;
