@@ -96,6 +96,17 @@ typedef void (*ulb_panel_fn)(const ulb_weight *w, int64_t tile0, int ntiles,
                              const ulb_acts *a, int64_t n0, int nb,
                              float *facc, int32_t *dots);
 
+/* One token through two full panels p and q (4 tiles each), read in
+ * lockstep, a k-step of each in turn: the contract of ulb_panel_fn for each,
+ * n0 = 0, nb = 1, no dots, into facc_p and facc_q. Two streams draw more
+ * bandwidth from one core than one on some CPUs (kernels/src/probe.c); where
+ * an ISA and code width has one, linear.c pairs the panels of each thread. */
+#define ULB_PANEL_PAIR 2
+typedef void (*ulb_panel_pair_fn)(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
+                                  float *facc_q);
+/* The pair kernel of `isa` for `bits`-bit codes, or NULL. */
+ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, int bits);
+
 /* Defines the ulb_panel_fn NAME of a SIMD file that has compiled one static
  * panel_1bit .. panel_8bit per code width: it picks by w->bits. */
 #define ULB_PANEL_BY_WIDTH(NAME)                                                                   \
@@ -135,6 +146,10 @@ void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_ac
                     int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                       int64_t n0, int nb, float *facc, int32_t *dots);
+void ulb_panel_pair_2bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
+                              float *facc_q);
+void ulb_panel_pair_4bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
+                              float *facc_q);
 
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);

@@ -87,6 +87,7 @@ typedef struct {
     _Atomic int acts_status;         /* a ulb_status; the last failure wins */
     int warm_first;                  /* prefetch before quantising (see acts_ready) */
     ulb_panel_fn panel;
+    ulb_panel_pair_fn pair; /* one token: two panels at once, or NULL */
     ulb_store_fn store;
     ulb_out out;
     float *facc1; /* one token: M_pad floats, see linear_panels */
@@ -157,7 +158,17 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     acts.prefetch_end = ulb_weight_panels_end(w, p1);
     int64_t m0;
     if (job->facc1) {
-        for (int64_t p = p0; p < p1; p++)
+        int64_t p = p0;
+        if (job->pair) {
+            /* The first half of the thread's full panels with the second,
+             * a panel of each at a time. */
+            const int64_t full = w->M_pad / ULB_PANEL_ROWS, half = ((p1 < full ? p1 : full) - p0) / 2;
+            for (int64_t i = 0; i < half; i++)
+                job->pair(w, p0 + i, p0 + half + i, &acts, job->facc1 + (p0 + i) * ULB_PANEL_ROWS,
+                          job->facc1 + (p0 + half + i) * ULB_PANEL_ROWS);
+            p = p0 + 2 * half;
+        }
+        for (; p < p1; p++)
             job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), &acts, 0, 1,
                        job->facc1 + p * ULB_PANEL_ROWS, NULL);
         const int64_t rows = panel_rows(w, p0, p1, &m0);
@@ -197,7 +208,8 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
     linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
-                      ulb_store_for_isa(isa), {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
+                      N == 1 ? ulb_panel_pair_for(isa, w.bits) : NULL, ulb_store_for_isa(isa),
+                      {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;
     acts_free(&q);

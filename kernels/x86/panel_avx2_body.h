@@ -101,55 +101,69 @@ ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1
     }
 }
 
-/* One token, 2- or 4-bit codes, one group: acc[t][h] as tiles_body's field
- * loop makes it, but the products summed in 16 bits over chunks of k-steps
- * and widened once a chunk, not once a k-step (one vector operation fewer
- * per half tile and k-step): a k-step adds at most fields * 2*(2^bits - 1)*128
- * in magnitude, 3072 (2-bit) or 7680 (4-bit), so chunks of 10 or 4 fit.
- * K-step by k-step over all tiles, so the panel is still read as one stream.
- * On Zen 3 in cache (kernel_hot): 2-bit 23.0 -> 24.8 GB/s of codes, int4
- * 40.8 -> 41.9-42.9; a cold 2-bit GEMV (ab_builds.sh) 1.00-1.01x on one
- * thread, 1.02-1.03x on two. */
-ALWAYS_INLINE void one_token_fields(const uint8_t *codes, int64_t ks0, int64_t ks1, const int nt, const int8_t *x,
-                                    int64_t pf_dist, const uint8_t *pf_end, __m256i acc[ULB_PANEL_TILES][2],
-                                    const int bits) {
+/* One token, 2- or 4-bit codes, one group of np panels (codes[q]):
+ * acc[q][t][h] as tiles_body's field loop makes it, but the products summed
+ * in 16 bits over chunks of k-steps and widened once a chunk, not once a
+ * k-step (one vector operation fewer per half tile and k-step): a k-step adds
+ * at most fields * 2*(2^bits - 1)*128 in magnitude, 3072 (2-bit) or 7680
+ * (4-bit), so chunks of 10 or 4 fit. K-step by k-step over all tiles, so each
+ * panel is still read as one stream; with np = 2, one k-step of each in turn
+ * (see ulb_panel_pair_fn). On Zen 3 in cache (kernel_hot): 2-bit 23.0 -> 24.8
+ * GB/s of codes, int4 40.8 -> 41.9-42.9; a cold 2-bit GEMV (ab_builds.sh)
+ * 1.00-1.01x on one thread, 1.02-1.03x on two. */
+ALWAYS_INLINE void one_token_fields(const uint8_t *const *codes, const int np, int64_t ks0, int64_t ks1,
+                                    const int nt, const int8_t *x, int64_t pf_dist, const uint8_t *pf_end,
+                                    __m256i acc[][ULB_PANEL_TILES][2], const int bits) {
     const int fields = 8 / bits, chunk = 32767 / (fields * 2 * ((1 << bits) - 1) * 128);
     const __m256i ones16 = _mm256_set1_epi16(1);
+#pragma GCC unroll 2
+    for (int q = 0; q < np; q++)
 #pragma GCC unroll 4
-    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+        for (int t = 0; t < nt; t++) acc[q][t][0] = acc[q][t][1] = _mm256_setzero_si256();
     for (int64_t c0 = ks0; c0 < ks1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < ks1 ? c0 + chunk : ks1;
-        __m256i sum[ULB_PANEL_TILES][2];
+        __m256i sum[ULB_PANEL_PAIR][ULB_PANEL_TILES][2];
+#pragma GCC unroll 2
+        for (int q = 0; q < np; q++)
 #pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+            for (int t = 0; t < nt; t++) sum[q][t][0] = sum[q][t][1] = _mm256_setzero_si256();
         for (int64_t ks = c0; ks < c1; ks++)
+#pragma GCC unroll 2
+            for (int q = 0; q < np; q++)
+#pragma GCC unroll 4
+                for (int t = 0; t < nt; t++)
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t *half = codes[q] + ((ks - ks0) * nt + t) * ULB_TILE_BYTES + 32 * h;
+                        if (h == 0) ulb_prefetch_ahead(half, pf_dist, pf_end);
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)half);
+#pragma GCC unroll 4
+                        for (int f = 0; f < fields; f++)
+                            sum[q][t][h] = _mm256_add_epi16(
+                                sum[q][t][h],
+                                _mm256_maddubs_epi16(field(v, f, bits), bcast4(x + ks * 4 * fields + 4 * f)));
+                    }
+#pragma GCC unroll 2
+        for (int q = 0; q < np; q++)
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++)
 #pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) {
-                    const uint8_t *half = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES + 32 * h;
-                    if (h == 0) ulb_prefetch_ahead(half, pf_dist, pf_end);
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)half);
-#pragma GCC unroll 4
-                    for (int f = 0; f < fields; f++)
-                        sum[t][h] = _mm256_add_epi16(
-                            sum[t][h], _mm256_maddubs_epi16(field(v, f, bits), bcast4(x + ks * 4 * fields + 4 * f)));
-                }
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++)
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) acc[t][h] = _mm256_add_epi32(acc[t][h], _mm256_madd_epi16(sum[t][h], ones16));
+                for (int h = 0; h < 2; h++)
+                    acc[q][t][h] = _mm256_add_epi32(acc[q][t][h], _mm256_madd_epi16(sum[q][t][h], ones16));
     }
 }
 
-/* Tiles [t0, t0 + tc) of panel p (nt tiles per k-step), nb
- * tokens. One token takes all tiles of a k-step at once, reading the panel as
- * the single stream it is; several tokens take one tile at a time so their
- * accumulators stay in the 16 registers. */
-ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
-                              const int tc, const ulb_acts *a, int64_t n0, float *facc,
-                              int32_t *dots, const int nb, const int bits, const int prefetch) {
-    const int fields = 8 / bits, kt = 32 / bits;
+/* Tiles [t0, t0 + tc) of panel ps[0] (nt tiles per k-step), nb tokens, into
+ * faccs[0]; or, with np = 2, one token through full panels ps[0] and ps[1]
+ * (2- or 4-bit codes), into faccs[0] and faccs[1]. One token takes all tiles
+ * of a k-step at once, reading a panel as the single stream it is; several
+ * tokens take one tile at a time so their accumulators stay in the 16
+ * registers. A job j is token j of the panel, or with np = 2 the token
+ * through panel j: out and acc are per job. */
+ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int np, int nt, int t0, const int tc,
+                              const ulb_acts *a, int64_t n0, float *const *faccs, int32_t *dots, const int nb,
+                              const int bits, const int prefetch) {
+    const int fields = 8 / bits, kt = 32 / bits, jobs = np > 1 ? np : nb;
     const int64_t pf_dist = prefetch ? a->prefetch_dist : 0; /* see panel_bits */
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
@@ -158,19 +172,25 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
     const __m256i va = _mm256_set1_epi32(w->level_a);
     __m256 out[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
-    for (int j = 0; j < nb; j++)
+    for (int j = 0; j < jobs; j++)
 #pragma GCC unroll 4
         for (int t = 0; t < tc; t++) out[j][t][0] = out[j][t][1] = _mm256_setzero_ps();
 
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
         const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
-        const uint8_t *group = ulb_group_base(w, p, nt, g);
-        const float *scales = (const float *)group;
-        const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
-        /* As far ahead of the scales as the tile loop prefetches ahead of codes. */
-        if (t0 == 0)
-            for (int t = 0; t < nt; t++) ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, pf_dist, a->prefetch_end);
+        const float *scales[ULB_PANEL_PAIR];
+        const uint8_t *codes[ULB_PANEL_PAIR];
+#pragma GCC unroll 2
+        for (int q = 0; q < np; q++) {
+            const uint8_t *group = ulb_group_base(w, ps[q], nt, g);
+            scales[q] = (const float *)group;
+            codes[q] = group + nt * ULB_TILE_SCALE_BYTES;
+            /* As far ahead of the scales as the tile loop prefetches ahead of codes. */
+            if (t0 == 0)
+                for (int t = 0; t < nt; t++)
+                    ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, pf_dist, a->prefetch_end);
+        }
         __m256i acc[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++)
@@ -179,15 +199,15 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
         /* With vpdpbusd the field loop below takes 23 operations per 32 bytes of
          * 1-bit codes, as few as the slots. */
         if (bits == 1 && nb == 1 && !ULB_AVX2_VNNI)
-            one_token_1bit(codes, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0]);
+            one_token_1bit(codes[0], ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0]);
         else if ((bits == 2 || bits == 4) && nb == 1 && !ULB_AVX2_VNNI)
-            one_token_fields(codes, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0], bits);
+            one_token_fields(codes, np, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc, bits);
         else for (int64_t ks = ks0; ks < ks1; ks++) {
 #pragma GCC unroll 4
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const uint8_t *half = codes + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
+                    const uint8_t *half = codes[0] + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
                     if (h == 0) ulb_prefetch_ahead(half, pf_dist, a->prefetch_end);
                     const __m256i v = _mm256_loadu_si256((const __m256i *)half);
 #if !ULB_AVX2_VNNI
@@ -227,16 +247,17 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
                 }
         }
 #pragma GCC unroll 4
-        for (int j = 0; j < nb; j++) {
-            const __m256i vb =
-                _mm256_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
+        for (int j = 0; j < jobs; j++) {
+            const int64_t n = n0 + (np > 1 ? 0 : j); /* this job's token */
+            const float *sc = scales[np > 1 ? j : 0];
+            const __m256i vb = _mm256_set1_epi32(w->level_b * a->xsum[n * w->n_groups + g]);
 #pragma GCC unroll 4
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     const int64_t r = (t0 + t) * ULB_TILE + 8 * h; /* row within the panel */
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[j][t][h], va), vb);
-                    const __m256 s = _mm256_loadu_ps(scales + r);
+                    const __m256 s = _mm256_loadu_ps(sc + r);
                     out[j][t][h] = _mm256_add_ps(out[j][t][h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(dot)));
                     if (dots)
                         _mm256_storeu_si256(
@@ -245,22 +266,23 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, int64_t p, int nt, int t0,
         }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < nb; j++)
+    for (int j = 0; j < jobs; j++) {
+        float *facc = np > 1 ? faccs[j] : faccs[0] + j * ULB_PANEL_ROWS;
 #pragma GCC unroll 4
         for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(facc + j * ULB_PANEL_ROWS + (t0 + t) * ULB_TILE + 8 * h, out[j][t][h]);
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(facc + (t0 + t) * ULB_TILE + 8 * h, out[j][t][h]);
+    }
 }
 
 #define ULB_ONE_TOKEN(BITS, PF, NT)                                                                \
     case NT:                                                                                       \
-        tiles_body(w, p, ntiles, 0, NT, a, n0, facc, dots, 1, BITS, PF);                           \
+        tiles_body(w, &p, 1, ntiles, 0, NT, a, n0, &facc, dots, 1, BITS, PF);                      \
         return;
 #define ULB_TOKENS(BITS, PF, NB)                                                                   \
     case NB:                                                                                       \
         for (int t = 0; t < ntiles; t++)                                                           \
-            tiles_body(w, p, ntiles, t, 1, a, n0, facc, dots, NB, BITS, PF);                       \
+            tiles_body(w, &p, 1, ntiles, t, 1, a, n0, &facc, dots, NB, BITS, PF);                  \
         return;
 
 /* prefetch (a constant): whether to prefetch at all; without it the prefetch
@@ -293,5 +315,21 @@ ULB_PANEL_FN(1)
 ULB_PANEL_FN(2)
 ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
+
+#if !ULB_AVX2_VNNI
+/* ulb_panel_pair_fn for 2- and 4-bit codes (tiles_body with np = 2). */
+#define ULB_PANEL_PAIR_FN(BITS)                                                                    \
+    void ulb_panel_pair_##BITS##bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, \
+                                         float *facc_p, float *facc_q) {                           \
+        const int64_t ps[ULB_PANEL_PAIR] = {p, q};                                                 \
+        float *const fs[ULB_PANEL_PAIR] = {facc_p, facc_q};                                        \
+        if (a->prefetch_dist)                                                                      \
+            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 1);   \
+        else                                                                                       \
+            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 0);   \
+    }
+ULB_PANEL_PAIR_FN(2)
+ULB_PANEL_PAIR_FN(4)
+#endif
 
 ULB_PANEL_BY_WIDTH(ULB_PANEL_AVX2_FN)
