@@ -35,6 +35,15 @@ static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, 
     return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_enabled() ? ulb_lut1_builder_for_isa(isa) : NULL;
 }
 
+/* Whether a call reads two panels at once where the ISA has a pair kernel:
+ * one token, and panels long enough. 2-bit on Zen 3 (benchmarks/c/ab_builds.sh):
+ * 9 KiB panels (K = 576) ran 0.92-0.96x with pairs, 24 KiB (K = 1536)
+ * 0.99-1.03x, 32 KiB and more (K >= 2048) 1.02-1.07x; int4 at K = 4096 1.31-1.36x. */
+#define PAIR_MIN_PANEL_BYTES (16 << 10)
+static int use_pairs(const ulb_weight *w, int64_t N) {
+    return N == 1 && ulb_panel_offset(w->ksteps, w->n_groups, 1) >= PAIR_MIN_PANEL_BYTES;
+}
+
 /* Scratch for the int8 activations of N tokens, and with lut1_build the
  * lookup tables of the 1-bit one-token kernel; filled by acts_fill. */
 static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, int nthreads, int64_t N,
@@ -158,17 +167,14 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     acts.prefetch_end = ulb_weight_panels_end(w, p1);
     int64_t m0;
     if (job->facc1) {
-        int64_t p = p0;
-        if (job->pair) {
-            /* The first half of the thread's full panels with the second,
-             * a panel of each at a time. */
-            const int64_t full = w->M_pad / ULB_PANEL_ROWS, half = ((p1 < full ? p1 : full) - p0) / 2;
-            for (int64_t i = 0; i < half; i++)
-                job->pair(w, p0 + i, p0 + half + i, &acts, job->facc1 + (p0 + i) * ULB_PANEL_ROWS,
-                          job->facc1 + (p0 + half + i) * ULB_PANEL_ROWS);
-            p = p0 + 2 * half;
-        }
-        for (; p < p1; p++)
+        /* With a pair kernel, the first half of the thread's full panels
+         * with the second, a panel of each at a time. */
+        const int64_t full = w->M_pad / ULB_PANEL_ROWS;
+        const int64_t half = job->pair ? ((p1 < full ? p1 : full) - p0) / 2 : 0;
+        for (int64_t i = 0; i < half; i++)
+            job->pair(w, p0 + i, p0 + half + i, &acts, job->facc1 + (p0 + i) * ULB_PANEL_ROWS,
+                      job->facc1 + (p0 + half + i) * ULB_PANEL_ROWS);
+        for (int64_t p = p0 + 2 * half; p < p1; p++)
             job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), &acts, 0, 1,
                        job->facc1 + p * ULB_PANEL_ROWS, NULL);
         const int64_t rows = panel_rows(w, p0, p1, &m0);
@@ -208,7 +214,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
     linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
-                      N == 1 ? ulb_panel_pair_for(isa, w.bits) : NULL, ulb_store_for_isa(isa),
+                      use_pairs(&w, N) ? ulb_panel_pair_for(isa, w.bits) : NULL, ulb_store_for_isa(isa),
                       {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;
