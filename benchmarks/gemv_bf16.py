@@ -40,6 +40,11 @@ def shapes_to_run(doc: dict, models: list[str] | None, gemv_shapes: bool) -> lis
     return out
 
 
+def faster(a: list[float], b: list[float]) -> list[float]:
+    """The samples of whichever of two timings has the lower median."""
+    return a if statistics.median(a) <= statistics.median(b) else b
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_shapes_arg(p)
@@ -101,12 +106,17 @@ def main(argv=None):
             for nt in threads:
                 torch.set_num_threads(nt)
                 samples = []
-                cands = [(ws, lambda w: torch.ops.ulb.linear_bf16(x, w, None)), (ws, lambda w: F.linear(x, w)),
-                         (ws, lambda w: ulbtorch.runtime.read_probe(w.view(-1), nt))]
+                # The stream read as one run per thread and as four (the
+                # faster is the roofline: benchmarks/README.md, gemv.py).
+                cands = [(ws, lambda w: torch.ops.ulb.linear_bf16(x, w, None)), (ws, lambda w: F.linear(x, w))]
+                cands += [(ws, lambda w, k=k: ulbtorch.runtime.read_probe(w.view(-1), nt, k)) for k in (1, 4)]
                 for bs in rotations:
-                    cands += [(bs, lambda b: torch.ops.ulb.linear(x, b, None, M)),
-                              (bs, lambda b: ulbtorch.runtime.read_probe(b, nt))]
+                    cands += [(bs, lambda b: torch.ops.ulb.linear(x, b, None, M))]
+                    cands += [(bs, lambda b, k=k: ulbtorch.runtime.read_probe(b, nt, k)) for k in (1, 4)]
                 common.time_interleaved(cands, reps=args.reps, samples_out=samples)
+                samples = [samples[0], samples[1], faster(samples[2], samples[3])] + [
+                    s for i in range(len(packed)) for s in (samples[4 + 3 * i],
+                                                            faster(samples[5 + 3 * i], samples[6 + 3 * i]))]
                 ours, ref, stream = (statistics.median(s) for s in samples[:3])
                 table.add(dict(model=model, what=what, shape=f"{M}x{K}", threads=nt,
                                rot=f"{count}x{nbytes / MiB:.1f}M", us=1e6 * ours, us_bf16=1e6 * ref,
