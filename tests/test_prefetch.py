@@ -150,5 +150,5 @@ def test_read_probe_checksum_does_not_depend_on_distance(gen):
         runtime.set_prefetch_distance(2, d)
         for threads in (1, 2):
             assert runtime.read_probe(buf, threads) == want, (d, threads)
-            for streams in (2, 3, runtime.PROBE_MAX_STREAMS):
+            for streams in (2, 3, 4, runtime.PROBE_MAX_STREAMS):
                 assert runtime.read_probe(buf, threads, streams) == want, (d, threads, streams)

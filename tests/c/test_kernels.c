@@ -317,13 +317,14 @@ static int check_probe_sum(int *n) {
 #endif
 
 /* ulb_read_probe_streams (whichever loop this CPU reads with) against a
- * plain sum, over sizes around its 1 MiB chunks and 64 KiB units, on one
+ * plain sum of the whole words, over sizes around its 1 MiB chunks and 64 KiB
+ * units (trailing bytes past the last whole word are not read), on one
  * thread and two; and its refusal of a stream count out of range. */
 static int check_read_probe(int *n) {
     const int64_t words = (3 << 20) / 8 + 13;
     uint64_t *buf = malloc(words * 8);
     for (int64_t i = 0; i < words; i++) buf[i] = (uint64_t)rnd() << 40 ^ (uint64_t)rnd() << 20 ^ rnd();
-    const int64_t sizes[] = {0, 8, 8 * 41, 64 << 10, (1 << 20) - 8, (1 << 20) + 8 * 9, words * 8};
+    const int64_t sizes[] = {0, 5, 8, 8 * 41 + 3, 64 << 10, (1 << 20) - 8, (1 << 20) + 8 * 9 + 7, words * 8};
     int fails = 0;
     for (int z = 0; z < (int)(sizeof sizes / sizeof *sizes); z++) {
         uint64_t want = 0;
