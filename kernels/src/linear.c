@@ -38,7 +38,8 @@ static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, 
 /* Whether a call reads two panels at once where the ISA has a pair kernel:
  * one token, and panels long enough. 2-bit on Zen 3 (benchmarks/c/ab_builds.sh):
  * 9 KiB panels (K = 576) ran 0.92-0.96x with pairs, 24 KiB (K = 1536)
- * 0.99-1.03x, 32 KiB and more (K >= 2048) 1.02-1.07x; int4 at K = 4096 1.31-1.36x. */
+ * 0.99-1.03x, 32 KiB and more (K >= 2048) 1.02-1.07x; at K = 4096 int4 1.31-1.36x and
+ * int8 1.30x (1 thread) / 1.13x (2), 1.13x at 1024x2048 on 2. */
 #define PAIR_MIN_PANEL_BYTES (16 << 10)
 static int use_pairs(const ulb_weight *w, int64_t N) {
     return N == 1 && ulb_panel_offset(w->ksteps, w->n_groups, 1) >= PAIR_MIN_PANEL_BYTES;

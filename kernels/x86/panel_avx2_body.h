@@ -193,7 +193,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
         }
         __m256i acc[ULB_NB_MAX][ULB_PANEL_TILES][2];
 #pragma GCC unroll 4
-        for (int j = 0; j < nb; j++)
+        for (int j = 0; j < jobs; j++)
 #pragma GCC unroll 4
             for (int t = 0; t < tc; t++) acc[j][t][0] = acc[j][t][1] = _mm256_setzero_si256();
         /* With vpdpbusd the field loop below takes 23 operations per 32 bytes of
@@ -202,12 +202,14 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
             one_token_1bit(codes[0], ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0]);
         else if ((bits == 2 || bits == 4) && nb == 1 && !ULB_AVX2_VNNI)
             one_token_fields(codes, np, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc, bits);
-        else for (int64_t ks = ks0; ks < ks1; ks++) {
+        else for (int64_t ks = ks0; ks < ks1; ks++)
+#pragma GCC unroll 2
+            for (int q = 0; q < np; q++) /* acc[q + j]: job q with np = 2, else j */
 #pragma GCC unroll 4
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const uint8_t *half = codes[0] + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
+                    const uint8_t *half = codes[q] + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
                     if (h == 0) ulb_prefetch_ahead(half, pf_dist, a->prefetch_end);
                     const __m256i v = _mm256_loadu_si256((const __m256i *)half);
 #if !ULB_AVX2_VNNI
@@ -219,8 +221,8 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
 #pragma GCC unroll 4
                         for (int j = 0; j < nb; j++) {
                             const __m256i xj = bcast4(x[j] + ks * kt);
-                            acc[j][t][h] = _mm256_add_epi32(
-                                acc[j][t][h],
+                            acc[q + j][t][h] = _mm256_add_epi32(
+                                acc[q + j][t][h],
                                 _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xj), ones16),
                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xj), sixteens16)));
                         }
@@ -232,7 +234,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
 #pragma GCC unroll 4
                         for (int j = 0; j < nb; j++) {
 #if ULB_AVX2_VNNI
-                            acc[j][t][h] = dpbusd(acc[j][t][h], u, bcast4(x[j] + ks * kt + 4 * f));
+                            acc[q + j][t][h] = dpbusd(acc[q + j][t][h], u, bcast4(x[j] + ks * kt + 4 * f));
 #else
                             const __m256i pf = _mm256_maddubs_epi16(u, bcast4(x[j] + ks * kt + 4 * f));
                             p[j] = f ? _mm256_add_epi16(p[j], pf) : pf;
@@ -242,10 +244,9 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
 #if !ULB_AVX2_VNNI
 #pragma GCC unroll 4
                     for (int j = 0; j < nb; j++)
-                        acc[j][t][h] = _mm256_add_epi32(acc[j][t][h], _mm256_madd_epi16(p[j], ones16));
+                        acc[q + j][t][h] = _mm256_add_epi32(acc[q + j][t][h], _mm256_madd_epi16(p[j], ones16));
 #endif
                 }
-        }
 #pragma GCC unroll 4
         for (int j = 0; j < jobs; j++) {
             const int64_t n = n0 + (np > 1 ? 0 : j); /* this job's token */
@@ -317,7 +318,7 @@ ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
 
 #if !ULB_AVX2_VNNI
-/* ulb_panel_pair_fn for 2- and 4-bit codes (tiles_body with np = 2). */
+/* ulb_panel_pair_fn for 2-, 4- and 8-bit codes (tiles_body with np = 2). */
 #define ULB_PANEL_PAIR_FN(BITS)                                                                    \
     void ulb_panel_pair_##BITS##bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, \
                                          float *facc_p, float *facc_q) {                           \
@@ -330,6 +331,7 @@ ULB_PANEL_FN(8)
     }
 ULB_PANEL_PAIR_FN(2)
 ULB_PANEL_PAIR_FN(4)
+ULB_PANEL_PAIR_FN(8)
 #endif
 
 ULB_PANEL_BY_WIDTH(ULB_PANEL_AVX2_FN)
