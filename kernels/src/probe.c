@@ -78,15 +78,12 @@ static ulb_probe_sum_fn probe_sum_for_cpu(void) {
 
 static void probe_range(void *ctx, int64_t u0, int64_t u1) {
     probe_job *job = ctx;
-    const int64_t end = u1 * PROBE_UNIT < job->nbytes ? u1 * PROBE_UNIT : job->nbytes;
-    if (job->streams == 1) { /* one run over the whole share, prefetching up to its end */
-        atomic_fetch_add(&job->sum, job->sum_fn((const uint64_t *)(job->p + u0 * PROBE_UNIT),
-                                                (end - u0 * PROBE_UNIT) / 8, 1, job->prefetch));
-        return;
-    }
+    const int64_t start = u0 * PROBE_UNIT, end = u1 * PROBE_UNIT < job->nbytes ? u1 * PROBE_UNIT : job->nbytes;
+    /* One run takes the whole share in one piece, prefetching up to its end. */
+    const int64_t chunk = job->streams == 1 ? end - start : PROBE_CHUNK;
     uint64_t sum = 0;
-    for (int64_t b = u0 * PROBE_UNIT; b < end; b += PROBE_CHUNK) {
-        const int64_t n = end - b < PROBE_CHUNK ? end - b : PROBE_CHUNK;
+    for (int64_t b = start; b < end; b += chunk) {
+        const int64_t n = end - b < chunk ? end - b : chunk;
         sum += job->sum_fn((const uint64_t *)(job->p + b), n / 8, job->streams, job->prefetch);
     }
     atomic_fetch_add(&job->sum, sum);
