@@ -146,12 +146,8 @@ void ulb_panel_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_ac
                     int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
                       int64_t n0, int nb, float *facc, int32_t *dots);
-void ulb_panel_pair_2bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
-                              float *facc_q);
-void ulb_panel_pair_4bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
-                              float *facc_q);
-void ulb_panel_pair_8bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
-                              float *facc_q);
+void ulb_panel_pair_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
+                         float *facc_q); /* 2-, 4- and 8-bit codes */
 
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);

@@ -113,9 +113,7 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
 
 ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, int bits) {
 #if defined(__x86_64__)
-    if (isa == ULB_ISA_AVX2 && bits == 2) return ulb_panel_pair_2bit_avx2;
-    if (isa == ULB_ISA_AVX2 && bits == 4) return ulb_panel_pair_4bit_avx2;
-    if (isa == ULB_ISA_AVX2 && bits == 8) return ulb_panel_pair_8bit_avx2;
+    if (isa == ULB_ISA_AVX2 && bits != 1) return ulb_panel_pair_avx2;
 #endif
     (void)isa;
     (void)bits;

@@ -155,7 +155,7 @@ ALWAYS_INLINE void one_token_fields(const uint8_t *const *codes, const int np, i
 
 /* Tiles [t0, t0 + tc) of panel ps[0] (nt tiles per k-step), nb tokens, into
  * faccs[0]; or, with np = 2, one token through full panels ps[0] and ps[1]
- * (2- or 4-bit codes), into faccs[0] and faccs[1]. One token takes all tiles
+ * (2-, 4- or 8-bit codes), into faccs[0] and faccs[1]. One token takes all tiles
  * of a k-step at once, reading a panel as the single stream it is; several
  * tokens take one tile at a time so their accumulators stay in the 16
  * registers. A job j is token j of the panel, or with np = 2 the token
@@ -318,20 +318,21 @@ ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
 
 #if !ULB_AVX2_VNNI
-/* ulb_panel_pair_fn for 2-, 4- and 8-bit codes (tiles_body with np = 2). */
-#define ULB_PANEL_PAIR_FN(BITS)                                                                    \
-    void ulb_panel_pair_##BITS##bit_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, \
-                                         float *facc_p, float *facc_q) {                           \
-        const int64_t ps[ULB_PANEL_PAIR] = {p, q};                                                 \
-        float *const fs[ULB_PANEL_PAIR] = {facc_p, facc_q};                                        \
+/* ulb_panel_pair_fn for 2-, 4- and 8-bit codes (tiles_body with np = 2),
+ * picked by w->bits; isa.c offers it for no other width. */
+#define ULB_PAIR_BITS(BITS)                                                                        \
+    case BITS:                                                                                     \
         if (a->prefetch_dist)                                                                      \
             tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 1);   \
         else                                                                                       \
             tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 0);   \
-    }
-ULB_PANEL_PAIR_FN(2)
-ULB_PANEL_PAIR_FN(4)
-ULB_PANEL_PAIR_FN(8)
+        return;
+void ulb_panel_pair_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
+                         float *facc_q) {
+    const int64_t ps[ULB_PANEL_PAIR] = {p, q};
+    float *const fs[ULB_PANEL_PAIR] = {facc_p, facc_q};
+    switch (w->bits) { ULB_PAIR_BITS(2) ULB_PAIR_BITS(4) ULB_PAIR_BITS(8) }
+}
 #endif
 
 ULB_PANEL_BY_WIDTH(ULB_PANEL_AVX2_FN)
