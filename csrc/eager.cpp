@@ -139,12 +139,103 @@ PyObject *linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
   return THPVariable_Wrap(std::move(y));
 }
 
+// What module_linear reads, bound once (bind_module).
+struct ModuleNames {
+  PyObject *nn_globals = nullptr;        // torch.nn.modules.module.__dict__: the global hook tables
+  PyObject *compiler_globals = nullptr;  // torch.compiler.__dict__: _is_compiling_flag
+  PyObject *forward = nullptr;           // LowBitLinear.forward
+  PyObject *global_hooks[4] = {};
+  PyObject *instance_hooks[4] = {};
+  PyObject *compiling_flag, *compiled_call_impl, *forward_name, *force_reference, *buffers, *parameters, *packed,
+      *bias, *out_features;
+} names;
+
+PyObject *intern(const char *s) { return PyUnicode_InternFromString(s); }
+
+// bind_module(torch.nn.modules.module.__dict__, torch.compiler.__dict__, LowBitLinear.forward) -> bool
+PyObject *bind_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "bind_module takes (nn module globals, torch.compiler globals, forward)");
+    return nullptr;
+  }
+  const char *global_hooks[4] = {"_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_hooks",
+                                 "_global_forward_pre_hooks"};
+  const char *instance_hooks[4] = {"_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks"};
+  for (int i = 0; i < 4; i++) {
+    if (!(names.global_hooks[i] = intern(global_hooks[i])) || !(names.instance_hooks[i] = intern(instance_hooks[i])))
+      return nullptr;
+  }
+  if (!(names.compiling_flag = intern("_is_compiling_flag")) ||
+      !(names.compiled_call_impl = intern("_compiled_call_impl")) || !(names.forward_name = intern("forward")) ||
+      !(names.force_reference = intern("force_reference")) || !(names.buffers = intern("_buffers")) ||
+      !(names.parameters = intern("_parameters")) || !(names.packed = intern("packed")) ||
+      !(names.bias = intern("bias")) || !(names.out_features = intern("out_features")))
+    return nullptr;
+  Py_INCREF(args[0]), Py_INCREF(args[1]), Py_INCREF(args[2]);
+  Py_XSETREF(names.nn_globals, args[0]);
+  Py_XSETREF(names.compiler_globals, args[1]);
+  Py_XSETREF(names.forward, args[2]);
+  Py_RETURN_TRUE;
+}
+
+// d[key] when d is a dict holding it, else nullptr (borrowed; no error set).
+PyObject *item(PyObject *d, PyObject *key) {
+  if (!d || !PyDict_Check(d)) return nullptr;
+  PyObject *v = PyDict_GetItemWithError(d, key);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+bool empty_dict(PyObject *d) { return d && PyDict_Check(d) && PyDict_GET_SIZE(d) == 0; }
+
+// module_linear(module, x): module(x) for a LowBitLinear whose call
+// nn.Module.__call__ would hand straight to LowBitLinear.forward (no hook of
+// any kind, not compiled with module.compile(), forward neither overridden by
+// a subclass nor patched on the instance, force_reference off, torch.compiler
+// not tracing) and forward straight to the kernel: linear(x, packed, bias,
+// out_features) read from the module's own dicts. NotImplemented otherwise.
+PyObject *module_linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ulbtorch._eager.module_linear takes (module, x)");
+    return nullptr;
+  }
+  if (!names.forward) Py_RETURN_NOTIMPLEMENTED;
+  for (PyObject *name : names.global_hooks)
+    if (!empty_dict(item(names.nn_globals, name))) Py_RETURN_NOTIMPLEMENTED;
+  if (item(names.compiler_globals, names.compiling_flag) != Py_False ||
+      _PyType_Lookup(Py_TYPE(args[0]), names.forward_name) != names.forward)
+    Py_RETURN_NOTIMPLEMENTED;
+  PyObject *dict = PyObject_GenericGetDict(args[0], nullptr);
+  if (!dict) {
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  PyObject *result = nullptr;
+  PyObject *compiled = item(dict, names.compiled_call_impl);  // set by module.compile(); else nn.Module's None
+  if (!compiled) compiled = _PyType_Lookup(Py_TYPE(args[0]), names.compiled_call_impl);
+  bool plain = compiled == Py_None && item(dict, names.force_reference) == Py_False && !item(dict, names.forward_name);
+  for (PyObject *name : names.instance_hooks) plain = plain && empty_dict(item(dict, name));
+  PyObject *packed = item(item(dict, names.buffers), names.packed);
+  PyObject *bias = item(item(dict, names.parameters), names.bias);
+  PyObject *out_features = item(dict, names.out_features);
+  if (plain && packed && bias && out_features) {
+    PyObject *largs[4] = {args[1], packed, bias, out_features};
+    Py_INCREF(packed), Py_INCREF(bias), Py_INCREF(out_features);  // the module may drop them during the call
+    result = linear_unchecked(largs, 4);
+    Py_DECREF(packed), Py_DECREF(bias), Py_DECREF(out_features);
+  }
+  Py_DECREF(dict);
+  if (!result && !PyErr_Occurred()) Py_RETURN_NOTIMPLEMENTED;
+  return result;
+}
+
 // No C++ exception may cross into CPython: one that the checks above did not
 // foresee (say, an allocation failing) sends the call to the op, which
 // raises it as a Python error.
-PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+template <PyObject *(*unchecked)(PyObject *const *, Py_ssize_t)>
+PyObject *guarded(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   try {
-    return linear_unchecked(args, nargs);
+    return unchecked(args, nargs);
   } catch (...) {
     PyErr_Clear();
     Py_RETURN_NOTIMPLEMENTED;
@@ -153,8 +244,14 @@ PyObject *linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 
 PyMethodDef methods[] = {
     {"bind", bind, METH_O, "bind(path of ulbtorch._C) -> bool: use that module's kernels"},
-    {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear)), METH_FASTCALL,
+    {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<linear_unchecked>)),
+     METH_FASTCALL,
      "linear(x, packed, bias, out_features) -> Tensor, or NotImplemented where torch.ops.ulb.linear must run"},
+    {"bind_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(bind_module)), METH_FASTCALL,
+     "bind_module(torch.nn.modules.module.__dict__, torch.compiler.__dict__, LowBitLinear.forward) -> bool"},
+    {"module_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<module_linear_unchecked>)),
+     METH_FASTCALL,
+     "module_linear(module, x) -> module(x) for a LowBitLinear called plainly, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_eager", nullptr, -1, methods};

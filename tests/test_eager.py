@@ -140,31 +140,42 @@ def test_serves_inference_mode(gen):
     assert got is not NotImplemented and torch.equal(got, torch.ops.ulb.linear(x, m.packed, m.bias, 40))
 
 
+def _spy(monkeypatch, name, calls):
+    """Replace runtime.<name> with a wrapper recording, per call, whether
+    the real function served it."""
+    real = getattr(runtime, "_" + name)
+
+    def spy(*args):
+        y = real(*args)
+        calls.append((name, y is not NotImplemented))
+        return y
+
+    monkeypatch.setattr(runtime, name, spy)
+
+
 @needs_eager
 def test_module_calls_it_and_falls_back(gen, monkeypatch):
     lin = torch.nn.Linear(96, 40)
     m = ulbtorch.Linear2Bit.from_linear(lin)
     calls = []
-
-    def spy(*args):
-        y = eager(*args)
-        calls.append(y is not NotImplemented)
-        return y
-
-    monkeypatch.setattr(runtime, "eager_linear", spy)
+    _spy(monkeypatch, "eager_module_call", calls)
+    _spy(monkeypatch, "eager_linear", calls)
     x = torch.randn(2, 96, generator=gen)
     with torch.no_grad():
         y = m(x)
-    assert calls == [True]
+    assert calls == [("eager_module_call", True)]
+    assert torch.equal(y, torch.ops.ulb.linear(x, m.packed, m.bias, 40))
     with runtime.use_eager_fast_path(False):
-        assert runtime.eager_linear is None
+        assert runtime.eager_linear is None and runtime.eager_module_call is None
         want = m(x)
     assert torch.equal(y, want)
     # Autograd: the op path with its backward.
-    monkeypatch.setattr(runtime, "eager_linear", spy)
+    _spy(monkeypatch, "eager_module_call", calls)
+    _spy(monkeypatch, "eager_linear", calls)
+    calls.clear()
     xg = x.clone().requires_grad_()
     m(xg).sum().backward()
-    assert calls == [True, False] and xg.grad is not None
+    assert calls == [("eager_module_call", False), ("eager_linear", False)] and xg.grad is not None
     # Bad input still raises the op's (or the module's) message.
     with pytest.raises(ValueError, match="expects 96 input features"):
         m(torch.randn(2, 95))
@@ -172,6 +183,102 @@ def test_module_calls_it_and_falls_back(gen, monkeypatch):
     calls.clear()
     out = torch.compile(m, fullgraph=True, backend="eager")(x)
     assert calls == [] and torch.equal(out, want)
+    # Exported: served by neither, the graph holds the op.
+    for strict in (True, False):
+        calls.clear()
+        ep = torch.export.export(torch.nn.Sequential(m), (x,), strict=strict)
+        assert "ulb.linear" in str(ep.graph) and not any(ok for _, ok in calls), strict
+        assert torch.equal(ep.module()(x), want)
+
+
+@needs_eager
+def test_module_call_leaves_hooks_and_patches_to_nn_module(gen, monkeypatch):
+    """The module call serves only calls that nn.Module.__call__ would hand
+    straight to LowBitLinear.forward: every hook still runs, and a forward
+    overridden or patched, force_reference and module.compile() still apply."""
+    M, K = 40, 96
+    x = torch.randn(3, K, generator=gen)
+
+    def fresh():
+        return ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(K, M))
+
+    m = fresh()
+    want = torch.ops.ulb.linear(x, m.packed, m.bias, M)
+    calls = []
+    _spy(monkeypatch, "eager_module_call", calls)
+
+    def served(mod, *args, **kwargs):
+        calls.clear()
+        with torch.no_grad():
+            y = mod(*args, **kwargs)
+        return y, any(c == ("eager_module_call", True) for c in calls)
+
+    y, ok = served(m, x)
+    assert ok and torch.equal(y, want)
+    seen = []
+    cases = {
+        "forward hook": lambda mod: mod.register_forward_hook(lambda *a: seen.append("hook")),
+        "forward pre-hook": lambda mod: mod.register_forward_pre_hook(lambda *a: seen.append("hook")),
+        "global forward hook": lambda mod: torch.nn.modules.module.register_module_forward_hook(
+            lambda *a: seen.append("hook")),
+        "global forward pre-hook": lambda mod: torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda *a: seen.append("hook")),
+    }
+    for name, register in cases.items():
+        mod = fresh()
+        mod.load_state_dict(m.state_dict())
+        handle = register(mod)
+        seen.clear()
+        try:
+            y, ok = served(mod, x)
+        finally:
+            handle.remove()
+        assert not ok and seen == ["hook"] and torch.equal(y, want), name
+        y, ok = served(mod, x)  # hook removed: served again
+        assert ok and torch.equal(y, want), name
+    for name, register in {"backward hook": lambda mod: mod.register_full_backward_hook(lambda *a: None),
+                           "backward pre-hook": lambda mod: mod.register_full_backward_pre_hook(lambda *a: None),
+                           "global backward hook": lambda mod: torch.nn.modules.module.register_module_full_backward_hook(
+                               lambda *a: None)}.items():
+        handle = register(m)
+        try:
+            _, ok = served(m, x)
+        finally:
+            handle.remove()
+        assert not ok, name
+    # An input rewritten by a pre-hook reaches the kernel.
+    handle = m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    y, ok = served(m, x)
+    handle.remove()
+    assert not ok and torch.equal(y, torch.ops.ulb.linear(x * 2, m.packed, m.bias, M))
+    # forward patched on the instance (as accelerate's hooks do), or overridden.
+    m.forward = lambda inp: inp[..., :M] * 0
+    y, ok = served(m, x)
+    assert not ok and torch.equal(y, torch.zeros(3, M))
+    del m.forward
+
+    class Doubled(ulbtorch.Linear2Bit):
+        def forward(self, inp):
+            return 2 * super().forward(inp)
+
+    d = Doubled.from_linear(torch.nn.Linear(K, M))
+    d.load_state_dict(m.state_dict())
+    y, ok = served(d, x)
+    assert not ok and torch.equal(y, 2 * want)
+    # The reference path, keyword arguments, no bias.
+    m.force_reference = True
+    y, ok = served(m, x)
+    assert not ok and torch.allclose(y, want, atol=1e-4)
+    m.force_reference = False
+    y, ok = served(m, x=x)
+    assert not ok and torch.equal(y, want)
+    nb = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(K, M, bias=False))
+    y, ok = served(nb, x)
+    assert ok and torch.equal(y, torch.ops.ulb.linear(x, nb.packed, None, M))
+    # module.compile(): its compiled call, not ours.
+    m.compile(backend="eager", fullgraph=True)
+    y, ok = served(m, x)
+    assert not ok and torch.equal(y, want)
 
 
 @needs_eager

@@ -165,10 +165,10 @@ def use_lut1(on: bool):
 
 
 def _load_eager():
-    """ulbtorch._eager.linear bound to this process's kernels, or None where
-    that module is missing or was built for another torch or Python (its
-    classic C++ API binds to one torch version; it is compared before any
-    call, and importing the module touches nothing of torch)."""
+    """ulbtorch._eager bound to this process's kernels, or None where that
+    module is missing or was built for another torch or Python (its classic
+    C++ API binds to one torch version; it is compared before any call, and
+    importing the module touches nothing of torch)."""
     import torch
 
     try:
@@ -177,13 +177,33 @@ def _load_eager():
         return None
     if _eager.TORCH_VERSION != torch.__version__ or not _eager.bind(_C.__file__):
         return None
-    return _eager.linear
+    return _eager
 
 
-_eager_linear = _load_eager()
+_eager = _load_eager()
+_eager_linear = _eager.linear if _eager is not None else None
+_eager_module_call = None  # set by bind_module_call
+_eager_on = os.environ.get("ULB_EAGER", "1") != "0"
 # What the Linear*Bit modules call in eager mode before torch.ops.ulb.linear:
 # the op's kernel straight from CPython (csrc/eager.cpp), or None.
-eager_linear = _eager_linear if os.environ.get("ULB_EAGER", "1") != "0" else None
+eager_linear = _eager_linear if _eager_on else None
+# What their __call__ tries before nn.Module.__call__: the checks that
+# nn.Module.__call__ and forward make, in C, then eager_linear; or None.
+eager_module_call = None
+
+
+def bind_module_call(forward) -> None:
+    """Bind the modules' eager call (ulbtorch._eager.module_linear) to
+    nn.Module's hook tables and to their class's `forward`, which it checks
+    a module still runs (called once, by ulbtorch.nn.linear)."""
+    global _eager_module_call, eager_module_call
+    import torch.compiler
+    import torch.nn.modules.module as nn_module
+
+    if _eager is None or not _eager.bind_module(vars(nn_module), vars(torch.compiler), forward):
+        return
+    _eager_module_call = _eager.module_linear
+    eager_module_call = _eager_module_call if eager_linear is not None else None
 
 
 def eager_fast_path_available() -> bool:
@@ -201,10 +221,11 @@ def set_eager_fast_path(on: bool) -> None:
     cold one-token call then costs ~1 us outside the kernel instead of the
     op's 3-6 us; results are the op's bit for bit, and whatever it does not
     serve (tracing, fake tensors, autograd, modes, bad input) goes to the op."""
-    global eager_linear
+    global eager_linear, eager_module_call
     if on and _eager_linear is None:
         raise RuntimeError("ulbtorch._eager is not built for this torch; the modules call torch.ops.ulb.linear")
     eager_linear = _eager_linear if on else None
+    eager_module_call = _eager_module_call if on else None
 
 
 def use_eager_fast_path(on: bool):
