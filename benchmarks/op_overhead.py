@@ -3,10 +3,16 @@
   - the op, torch.ops.ulb.linear.default(x, blob, None, M), as the modules
     call it when their eager call does not serve (tracing, autograd, ...);
   - the modules' eager call, ulbtorch.runtime.eager_linear (csrc/eager.cpp);
+  - a Linear2Bit module called, module(x): its C module call
+    (runtime.eager_module_call) runs nn.Module.__call__'s checks and the
+    eager call; and nn.Module.__call__(module, x), the way it took before:
+    hook checks and forward in Python, then the eager call (the modules are
+    copies, one per blob of the rotation);
   - the same C function, ulb_linear, through ctypes with raw pointers and a
     preallocated output (no tensor touched per call);
   - ulb_read_probe through ctypes with raw pointers (the stream roofline).
-Prints µs per call and each one's % of the probe (median of per-round ratios).
+Prints µs per call, each one's % of the probe and the module call's speed-up over
+nn.Module.__call__ (medians of per-round ratios).
 
 On two threads or more it then splits the op's and the probe's call in two,
 over one more pass of the rotation each, every call timed on its own: the
@@ -21,6 +27,7 @@ are quantised inside the region). Medians.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import os
 import statistics
@@ -28,6 +35,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -62,18 +70,24 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
         if _lib.ulb_linear(p, nbytes, 1, xp, ULB_DT_BF16, K, 1, None, 0, yp, ULB_DT_BF16, M, threads):
             raise RuntimeError("ulb_linear failed")
 
+    module = ulbtorch.Linear2Bit(K, M, bias=False)
+    module.packed = blob
+    modules = [copy.deepcopy(module) for _ in blobs]
+
     expect = op(x, blob, None, M)
     c_linear(ptrs[0])
     torch.testing.assert_close(y, expect, rtol=0, atol=0)  # the paths compute the same thing
-    assert torch.equal(eager(x, blob, None, M), expect)
+    assert torch.equal(eager(x, blob, None, M), expect) and torch.equal(module(x), expect)
     samples: list[list[float]] = []
     t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (blobs, lambda b: eager(x, b, None, M)),
                                  (ptrs, c_linear),
-                                 (ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum)))],
+                                 (ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum))),
+                                 (modules, lambda m: m(x)), (modules, lambda m: nn.Module.__call__(m, x))],
                                 reps=reps, samples_out=samples)
     pct = [100 * common.median_ratio(samples[3], samples[i]) for i in range(3)]
     line = (f"{f'{M}x{K}':<11} {threads:>3}  {t[0] * 1e6:6.1f}  {t[1] * 1e6:8.1f}  {t[2] * 1e6:11.1f}  "
-            f"{t[3] * 1e6:8.1f}  {pct[0]:7.0f}%  {pct[1]:10.0f}%  {pct[2]:6.0f}%")
+            f"{t[3] * 1e6:8.1f}  {t[4] * 1e6:9.1f}  {t[5] * 1e6:12.1f}  {pct[0]:7.0f}%  {pct[1]:10.0f}%  "
+            f"{pct[2]:6.0f}%  {common.median_ratio(samples[5], samples[4]):17.2f}x")
     # One thread, or a matrix under the kernels' 64 KiB threshold for forking
     # (ULB_PARALLEL_MIN_BYTES), runs no parallel region and records no times.
     if threads < 2 or nbytes < PARALLEL_MIN_BYTES:
@@ -106,8 +120,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in common.parse_list(args.shapes)]
     threads = common.parse_list(args.threads, int)
     common.print_environment()
-    print("shape       thr  us op  us eager  us C (ctypes)  us probe  op/probe  eager/probe  C/probe"
-          "  op region  probe region  op outside  eager outside  probe outside")
+    print("shape       thr  us op  us eager  us C (ctypes)  us probe  us module  us nn.Module  op/probe  eager/probe"
+          "  C/probe  module call speed-up  op region  probe region  op outside  eager outside  probe outside")
     for M, K in shapes:
         for n in threads:
             with common.num_threads(n):
