@@ -145,6 +145,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "K must be a positive multiple of 32, M of %d\n", ROWS * TILES);
         return 2;
     }
+    if (!ulb_isa_supported(ULB_ISA_AVX2)) return fprintf(stderr, "this CPU has no AVX2\n"), 2;
     uint8_t *bits = malloc(M * K), *codes = calloc(M * K / 8, 1);
     int8_t *x = malloc(K), *tab = malloc(ksteps * 64), *tab_ref = malloc(ksteps * 64);
     int32_t *s = calloc(M, sizeof *s);
