@@ -32,6 +32,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include "ulb/ulb.h"
 
@@ -139,43 +140,63 @@ PyObject *linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
   return THPVariable_Wrap(std::move(y));
 }
 
-// What module_linear reads, bound once (bind_module).
+// What module_linear reads and compares against, bound once (bind_module).
 struct ModuleNames {
+  PyObject *nn_module = nullptr;         // torch.nn.Module
+  PyObject *wrapped_call_impl = nullptr; // nn.Module._wrapped_call_impl, which is nn.Module.__call__
+  PyObject *call_impl = nullptr;         // nn.Module._call_impl
   PyObject *nn_globals = nullptr;        // torch.nn.modules.module.__dict__: the global hook tables
   PyObject *compiler_globals = nullptr;  // torch.compiler.__dict__: _is_compiling_flag
   PyObject *forward = nullptr;           // LowBitLinear.forward
+  PyTypeObject *ordered_dict = nullptr;  // collections.OrderedDict, as nn.Module's tables are
   PyObject *global_hooks[4] = {};
   PyObject *instance_hooks[4] = {};
-  PyObject *compiling_flag, *compiled_call_impl, *forward_name, *force_reference, *buffers, *parameters, *packed,
-      *bias, *out_features;
+  PyObject *call_name, *wrapped_call_impl_name, *call_impl_name, *compiling_flag, *compiled_call_impl,
+      *forward_name, *force_reference, *buffers, *parameters, *packed, *bias, *out_features, *ordered_dict_name;
+  bool interned = false;
 } names;
 
-PyObject *intern(const char *s) { return PyUnicode_InternFromString(s); }
+// A reference released on every way out, C++ exceptions included.
+struct Owned {
+  PyObject *p;
+  explicit Owned(PyObject *o) : p(o) {}
+  Owned(const Owned &) = delete;
+  Owned &operator=(const Owned &) = delete;
+  ~Owned() { Py_XDECREF(p); }
+};
 
-// bind_module(torch.nn.modules.module.__dict__, torch.compiler.__dict__, LowBitLinear.forward) -> bool
-PyObject *bind_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "bind_module takes (nn module globals, torch.compiler globals, forward)");
-    return nullptr;
-  }
+bool intern_names() {
+  if (names.interned) return true;
   const char *global_hooks[4] = {"_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_hooks",
                                  "_global_forward_pre_hooks"};
   const char *instance_hooks[4] = {"_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks"};
-  for (int i = 0; i < 4; i++) {
-    if (!(names.global_hooks[i] = intern(global_hooks[i])) || !(names.instance_hooks[i] = intern(instance_hooks[i])))
-      return nullptr;
-  }
-  if (!(names.compiling_flag = intern("_is_compiling_flag")) ||
-      !(names.compiled_call_impl = intern("_compiled_call_impl")) || !(names.forward_name = intern("forward")) ||
-      !(names.force_reference = intern("force_reference")) || !(names.buffers = intern("_buffers")) ||
-      !(names.parameters = intern("_parameters")) || !(names.packed = intern("packed")) ||
-      !(names.bias = intern("bias")) || !(names.out_features = intern("out_features")))
-    return nullptr;
-  Py_INCREF(args[0]), Py_INCREF(args[1]), Py_INCREF(args[2]);
-  Py_XSETREF(names.nn_globals, args[0]);
-  Py_XSETREF(names.compiler_globals, args[1]);
-  Py_XSETREF(names.forward, args[2]);
-  Py_RETURN_TRUE;
+  struct {
+    PyObject **slot;
+    const char *name;
+  } all[] = {{&names.call_name, "__call__"},
+             {&names.wrapped_call_impl_name, "_wrapped_call_impl"},
+             {&names.call_impl_name, "_call_impl"},
+             {&names.compiling_flag, "_is_compiling_flag"},
+             {&names.compiled_call_impl, "_compiled_call_impl"},
+             {&names.forward_name, "forward"},
+             {&names.force_reference, "force_reference"},
+             {&names.buffers, "_buffers"},
+             {&names.parameters, "_parameters"},
+             {&names.packed, "packed"},
+             {&names.bias, "bias"},
+             {&names.out_features, "out_features"},
+             {&names.ordered_dict_name, "OrderedDict"},
+             {&names.global_hooks[0], global_hooks[0]},
+             {&names.global_hooks[1], global_hooks[1]},
+             {&names.global_hooks[2], global_hooks[2]},
+             {&names.global_hooks[3], global_hooks[3]},
+             {&names.instance_hooks[0], instance_hooks[0]},
+             {&names.instance_hooks[1], instance_hooks[1]},
+             {&names.instance_hooks[2], instance_hooks[2]},
+             {&names.instance_hooks[3], instance_hooks[3]}};
+  for (auto &n : all)
+    if (!(*n.slot = PyUnicode_InternFromString(n.name))) return false;
+  return names.interned = true;
 }
 
 // d[key] when d is a dict holding it, else nullptr (borrowed; no error set).
@@ -186,47 +207,84 @@ PyObject *item(PyObject *d, PyObject *key) {
   return v;
 }
 
-bool empty_dict(PyObject *d) { return d && PyDict_Check(d) && PyDict_GET_SIZE(d) == 0; }
+// A dict or OrderedDict itself (a subclass may read or count otherwise).
+bool plain_dict(PyObject *d) { return d && (PyDict_CheckExact(d) || Py_TYPE(d) == names.ordered_dict); }
+
+bool empty_table(PyObject *d) { return plain_dict(d) && PyDict_GET_SIZE(d) == 0; }
+
+// bind_module(torch.nn.Module, torch.nn.modules.module.__dict__, torch.compiler.__dict__,
+// LowBitLinear.forward) -> bool
+PyObject *bind_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyType_Check(args[0]) || !PyDict_Check(args[1]) || !PyDict_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "bind_module takes (nn.Module, its module's globals, torch.compiler's globals, forward)");
+    return nullptr;
+  }
+  if (!intern_names()) return nullptr;
+  PyTypeObject *module_type = reinterpret_cast<PyTypeObject *>(args[0]);
+  PyObject *wrapped = _PyType_Lookup(module_type, names.wrapped_call_impl_name);
+  PyObject *call_impl = _PyType_Lookup(module_type, names.call_impl_name);
+  PyObject *ordered = item(args[1], names.ordered_dict_name);
+  if (!wrapped || !call_impl || _PyType_Lookup(module_type, names.call_name) != wrapped || !ordered ||
+      !PyType_Check(ordered))
+    Py_RETURN_FALSE;  // an nn.Module unlike torch 2.13's: the modules call it as before
+  for (PyObject *o : {args[0], wrapped, call_impl, args[1], args[2], args[3], ordered}) Py_INCREF(o);
+  Py_XSETREF(names.nn_module, args[0]);
+  Py_XSETREF(names.wrapped_call_impl, wrapped);
+  Py_XSETREF(names.call_impl, call_impl);
+  Py_XSETREF(names.nn_globals, args[1]);
+  Py_XSETREF(names.compiler_globals, args[2]);
+  Py_XSETREF(names.forward, args[3]);
+  PyTypeObject *old = names.ordered_dict;
+  names.ordered_dict = reinterpret_cast<PyTypeObject *>(ordered);
+  Py_XDECREF(old);
+  Py_RETURN_TRUE;
+}
 
 // module_linear(module, x): module(x) for a LowBitLinear whose call
-// nn.Module.__call__ would hand straight to LowBitLinear.forward (no hook of
-// any kind, not compiled with module.compile(), forward neither overridden by
-// a subclass nor patched on the instance, force_reference off, torch.compiler
-// not tracing) and forward straight to the kernel: linear(x, packed, bias,
-// out_features) read from the module's own dicts. NotImplemented otherwise.
+// nn.Module.__call__ would hand straight to LowBitLinear.forward, and forward
+// straight to the kernel: linear(x, packed, bias, out_features) read from the
+// module's own dicts. NotImplemented unless nothing could tell the two apart:
+// no hook of any kind, nn.Module's call methods as torch defines them (FX
+// patches __call__; a subclass may override _call_impl), not compiled with
+// module.compile(), forward neither overridden by a subclass nor patched on
+// the instance (accelerate's hooks), force_reference off, torch.compiler not
+// tracing, and no profiler running (it finds modules by nn.Module.__call__).
 PyObject *module_linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "ulbtorch._eager.module_linear takes (module, x)");
     return nullptr;
   }
-  if (!names.forward) Py_RETURN_NOTIMPLEMENTED;
+  if (!names.forward || torch::profiler::impl::profilerEnabled()) Py_RETURN_NOTIMPLEMENTED;
   for (PyObject *name : names.global_hooks)
-    if (!empty_dict(item(names.nn_globals, name))) Py_RETURN_NOTIMPLEMENTED;
+    if (!empty_table(item(names.nn_globals, name))) Py_RETURN_NOTIMPLEMENTED;
+  PyTypeObject *type = Py_TYPE(args[0]);
   if (item(names.compiler_globals, names.compiling_flag) != Py_False ||
-      _PyType_Lookup(Py_TYPE(args[0]), names.forward_name) != names.forward)
+      _PyType_Lookup(reinterpret_cast<PyTypeObject *>(names.nn_module), names.call_name) != names.wrapped_call_impl ||
+      _PyType_Lookup(type, names.wrapped_call_impl_name) != names.wrapped_call_impl ||
+      _PyType_Lookup(type, names.call_impl_name) != names.call_impl ||
+      _PyType_Lookup(type, names.forward_name) != names.forward)
     Py_RETURN_NOTIMPLEMENTED;
-  PyObject *dict = PyObject_GenericGetDict(args[0], nullptr);
-  if (!dict) {
+  Owned dict(PyObject_GenericGetDict(args[0], nullptr));
+  if (!dict.p) {
     PyErr_Clear();
     Py_RETURN_NOTIMPLEMENTED;
   }
-  PyObject *result = nullptr;
-  PyObject *compiled = item(dict, names.compiled_call_impl);  // set by module.compile(); else nn.Module's None
-  if (!compiled) compiled = _PyType_Lookup(Py_TYPE(args[0]), names.compiled_call_impl);
-  bool plain = compiled == Py_None && item(dict, names.force_reference) == Py_False && !item(dict, names.forward_name);
-  for (PyObject *name : names.instance_hooks) plain = plain && empty_dict(item(dict, name));
-  PyObject *packed = item(item(dict, names.buffers), names.packed);
-  PyObject *bias = item(item(dict, names.parameters), names.bias);
-  PyObject *out_features = item(dict, names.out_features);
-  if (plain && packed && bias && out_features) {
-    PyObject *largs[4] = {args[1], packed, bias, out_features};
-    Py_INCREF(packed), Py_INCREF(bias), Py_INCREF(out_features);  // the module may drop them during the call
-    result = linear_unchecked(largs, 4);
-    Py_DECREF(packed), Py_DECREF(bias), Py_DECREF(out_features);
-  }
-  Py_DECREF(dict);
-  if (!result && !PyErr_Occurred()) Py_RETURN_NOTIMPLEMENTED;
-  return result;
+  PyObject *compiled = item(dict.p, names.compiled_call_impl);  // set by module.compile(); else nn.Module's None
+  if (!compiled) compiled = _PyType_Lookup(type, names.compiled_call_impl);
+  bool plain = compiled == Py_None && item(dict.p, names.force_reference) == Py_False;
+  for (PyObject *name : {names.forward_name, names.call_impl_name, names.wrapped_call_impl_name})
+    plain = plain && !item(dict.p, name);
+  for (PyObject *name : names.instance_hooks) plain = plain && empty_table(item(dict.p, name));
+  PyObject *buffers = item(dict.p, names.buffers), *parameters = item(dict.p, names.parameters);
+  if (!plain || !plain_dict(buffers) || !plain_dict(parameters)) Py_RETURN_NOTIMPLEMENTED;
+  // Held through the call: the module may drop them while the GIL is released.
+  PyObject *largs[4] = {args[1], item(buffers, names.packed), item(parameters, names.bias),
+                        item(dict.p, names.out_features)};
+  if (!largs[1] || !largs[2] || !largs[3]) Py_RETURN_NOTIMPLEMENTED;
+  Py_INCREF(largs[1]), Py_INCREF(largs[2]), Py_INCREF(largs[3]);
+  Owned packed(largs[1]), bias(largs[2]), out_features(largs[3]);
+  return linear_unchecked(largs, 4);
 }
 
 // No C++ exception may cross into CPython: one that the checks above did not
@@ -248,7 +306,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL,
      "linear(x, packed, bias, out_features) -> Tensor, or NotImplemented where torch.ops.ulb.linear must run"},
     {"bind_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(bind_module)), METH_FASTCALL,
-     "bind_module(torch.nn.modules.module.__dict__, torch.compiler.__dict__, LowBitLinear.forward) -> bool"},
+     "bind_module(nn.Module, torch.nn.modules.module.__dict__, torch.compiler.__dict__, LowBitLinear.forward)"
+     " -> bool"},
     {"module_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<module_linear_unchecked>)),
      METH_FASTCALL,
      "module_linear(module, x) -> module(x) for a LowBitLinear called plainly, or NotImplemented"},

@@ -1,6 +1,8 @@
 """The modules' eager fast path (ulbtorch._eager, runtime.eager_linear):
 torch.ops.ulb.linear's results bit for bit where it serves a call, and
 NotImplemented, so that the op runs, wherever it must not."""
+import sys
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -275,10 +277,65 @@ def test_module_call_leaves_hooks_and_patches_to_nn_module(gen, monkeypatch):
     nb = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(K, M, bias=False))
     y, ok = served(nb, x)
     assert ok and torch.equal(y, torch.ops.ulb.linear(x, nb.packed, None, M))
+    # nn.Module's call methods replaced: FX patches __call__, a subclass may override _call_impl.
+    patched = []
+    module_call = torch.nn.Module.__call__
+
+    def patched_call(mod, *args, **kwargs):
+        patched.append(mod)
+        return module_call(mod, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", patched_call)
+    y, ok = served(m, x)
+    assert not ok and patched == [m] and torch.equal(y, want)
+    monkeypatch.setattr(torch.nn.Module, "__call__", module_call)
+
+    class Logged(ulbtorch.Linear2Bit):
+        def _call_impl(self, *args, **kwargs):
+            patched.append(self)
+            return super()._call_impl(*args, **kwargs)
+
+    lg = Logged.from_linear(torch.nn.Linear(K, M))
+    lg.load_state_dict(m.state_dict())
+    patched.clear()
+    y, ok = served(lg, x)
+    assert not ok and patched == [lg] and torch.equal(y, want)
+    # Tables of a dict subclass are read through their own methods.
+    class Shifted(dict):
+        def __getitem__(self, key):
+            v = super().__getitem__(key)
+            return None if v is None else v + 100
+
+    sh = fresh()
+    sh.load_state_dict(m.state_dict())
+    sh._parameters = Shifted(sh._parameters)
+    y, ok = served(sh, x)
+    assert not ok and torch.equal(y, torch.ops.ulb.linear(x, m.packed, m.bias + 100, M))
+    # A profiler records modules by nn.Module.__call__.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        y, ok = served(m, x)
+    assert not ok and torch.equal(y, want)
+    assert any(e.name.startswith("nn.Module: Linear2Bit") for e in prof.events())
     # module.compile(): its compiled call, not ours.
     m.compile(backend="eager", fullgraph=True)
     y, ok = served(m, x)
     assert not ok and torch.equal(y, want)
+
+
+@needs_eager
+def test_module_call_releases_what_it_holds_when_the_kernel_call_throws(gen):
+    """An output too large to allocate throws inside the C call: it must give
+    back the module's dict and tensors, then leave the call to the op, which
+    raises."""
+    m = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(64, 32))
+    packed, bias = m._buffers["packed"], m._parameters["bias"]
+    before = (sys.getrefcount(packed), sys.getrefcount(bias), sys.getrefcount(m.__dict__))
+    huge = torch.randn(1, 64, generator=gen).expand(1 << 50, 64)
+    for _ in range(3):
+        assert runtime._eager_module_call(m, huge) is NotImplemented
+        with torch.no_grad(), pytest.raises(RuntimeError):
+            m(huge)
+    assert (sys.getrefcount(packed), sys.getrefcount(bias), sys.getrefcount(m.__dict__)) == before
 
 
 @needs_eager

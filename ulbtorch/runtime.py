@@ -200,7 +200,7 @@ def bind_module_call(forward) -> None:
     import torch.compiler
     import torch.nn.modules.module as nn_module
 
-    if _eager is None or not _eager.bind_module(vars(nn_module), vars(torch.compiler), forward):
+    if _eager is None or not _eager.bind_module(nn_module.Module, vars(nn_module), vars(torch.compiler), forward):
         return
     _eager_module_call = _eager.module_linear
     eager_module_call = _eager_module_call if eager_linear is not None else None
