@@ -73,9 +73,9 @@ def main(argv=None):
     doc = common.load_shapes(args.shapes)
     threads = common.parse_list(args.threads, int)
     env = common.print_environment()
-    if ulbtorch.runtime.get_isa() != "avx512":
-        print("# note: no AVX-512 here, so ulb.linear_bf16 runs its scalar reference (nn.LinearBF16 would "
-              "use F.linear)")
+    if not ulbtorch.runtime.bf16_gemv_native:
+        print(f"# note: no vector kernel for ISA {ulbtorch.runtime.get_isa()}, so ulb.linear_bf16 runs its scalar "
+              "reference (nn.LinearBF16 would use F.linear)")
     table = common.Table([("model", "model", None), ("what", "layer", None), ("shape", "M x K", None),
                           ("threads", "thr", None), ("rot", "rot", None), ("us", "us ours", ".0f"),
                           ("us_bf16", "us F.linear", ".0f"), ("gbps", "GB/s ours", ".1f"),

@@ -8,6 +8,8 @@
 
 #include "../src/internal.h"
 
+#define ROWS_LOCKSTEP 4
+
 typedef struct {
     __m256 lo, hi; /* lanes 0-7, 8-15 */
 } v16;
@@ -43,27 +45,51 @@ ALWAYS_INLINE float reduce16(v16 v) {
     return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
 }
 
-void ulb_gemv_bf16_rows_avx2(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
-                             float *out) {
+/* Rows r, r + q, ..., r + (nr - 1) q (q = 0 with nr = 1), a 64-byte chunk of
+ * each in turn, each row's sums in the reference's order. */
+ALWAYS_INLINE void rows_lockstep(const uint16_t *w, int64_t ldw, int64_t K, int64_t q, const int nr,
+                                 const uint16_t *x, const uint16_t *xt, float *out) {
     const int64_t full = K / 32, rest = K % 32;
-    uint16_t xt[32] = {0}; /* the last partial chunk, zero padded */
-    memcpy(xt, x + 32 * full, (size_t)rest * sizeof(uint16_t));
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *wr = w + r * ldw;
-        const v16 zero = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        v16 e[ULB_BF16_SETS] = {zero, zero, zero, zero}, o[ULB_BF16_SETS] = {zero, zero, zero, zero};
-        int64_t c = 0;
-        for (; c + ULB_BF16_SETS <= full; c += ULB_BF16_SETS)
+    const v16 zero = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    v16 e[ROWS_LOCKSTEP][ULB_BF16_SETS], o[ROWS_LOCKSTEP][ULB_BF16_SETS];
 #pragma GCC unroll 4
-            for (int s = 0; s < ULB_BF16_SETS; s++) chunk(wr + 32 * (c + s), x + 32 * (c + s), &e[s], &o[s]);
-        for (; c < full; c++) chunk(wr + 32 * c, x + 32 * c, &e[c % ULB_BF16_SETS], &o[c % ULB_BF16_SETS]);
+    for (int j = 0; j < nr; j++)
+        for (int s = 0; s < ULB_BF16_SETS; s++) e[j][s] = o[j][s] = zero;
+    int64_t c = 0;
+    for (; c + ULB_BF16_SETS <= full; c += ULB_BF16_SETS)
+#pragma GCC unroll 4
+        for (int s = 0; s < ULB_BF16_SETS; s++)
+#pragma GCC unroll 4
+            for (int j = 0; j < nr; j++) chunk(w + j * q * ldw + 32 * (c + s), x + 32 * (c + s), &e[j][s], &o[j][s]);
+    for (; c < full; c++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nr; j++)
+            chunk(w + j * q * ldw + 32 * c, x + 32 * c, &e[j][c % ULB_BF16_SETS], &o[j][c % ULB_BF16_SETS]);
+#pragma GCC unroll 4
+    for (int j = 0; j < nr; j++) {
         if (rest) {
             uint16_t wt[32] = {0};
-            memcpy(wt, wr + 32 * full, (size_t)rest * sizeof(uint16_t));
-            chunk(wt, xt, &e[c % ULB_BF16_SETS], &o[c % ULB_BF16_SETS]);
+            memcpy(wt, w + j * q * ldw + 32 * full, (size_t)rest * sizeof(uint16_t));
+            chunk(wt, xt, &e[j][c % ULB_BF16_SETS], &o[j][c % ULB_BF16_SETS]);
         }
-        const v16 se = add16(add16(e[0], e[1]), add16(e[2], e[3]));
-        const v16 so = add16(add16(o[0], o[1]), add16(o[2], o[3]));
-        out[r] = reduce16(add16(se, so));
+        const v16 se = add16(add16(e[j][0], e[j][1]), add16(e[j][2], e[j][3]));
+        const v16 so = add16(add16(o[j][0], o[j][1]), add16(o[j][2], o[j][3]));
+        out[j * q] = reduce16(add16(se, so));
     }
+}
+
+/* Four rows at once, a quarter of the block apart: one core here reads DRAM
+ * far faster as several runs, a line of each in turn, than as one (16-17
+ * against 23-27 GB/s, benchmarks/results/README.md, Zen 3), and the rows of
+ * a block are one run. A cold 2048x2048 GEMV on one thread 1.56x (two rows:
+ * 1.31x), where reading 1-4 KiB of each of two rows in turn lost. The
+ * accumulators spill; at ~14 cycles of DRAM time per chunk that costs
+ * nothing. */
+void ulb_gemv_bf16_rows_avx2(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                             float *out) {
+    const int64_t full = K / 32, rest = K % 32, q = rows / ROWS_LOCKSTEP;
+    uint16_t xt[32] = {0}; /* the last partial chunk, zero padded */
+    memcpy(xt, x + 32 * full, (size_t)rest * sizeof(uint16_t));
+    for (int64_t r = 0; r < q; r++) rows_lockstep(w + r * ldw, ldw, K, q, ROWS_LOCKSTEP, x, xt, out + r);
+    for (int64_t r = ROWS_LOCKSTEP * q; r < rows; r++) rows_lockstep(w + r * ldw, ldw, K, 0, 1, x, xt, out + r);
 }

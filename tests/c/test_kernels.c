@@ -366,6 +366,11 @@ int main(void) {
         fails += check_bf16(Ms[a], Ks[b], Ks[b] + (a % 2) * 5, 1 + b % 2);
         n++;
     }
+    /* Blocks of 64 rows and of 6 (4 in lockstep and 2 alone in the AVX2 kernel). */
+    for (int b = 0; b < 5; b++) {
+        fails += check_bf16(70, Ks[b], Ks[b] + 3, 1);
+        n++;
+    }
     /* int8 and int4 groups narrower than the 2-bit tile */
     for (int a = 1; a < 4; a++) for (int c = 0; c < 4; c++) {
         fails += check(ULB_FMT_INT8, Ms[a], 257, 12, Ns[c]);
