@@ -185,17 +185,13 @@ bool intern_names() {
              {&names.packed, "packed"},
              {&names.bias, "bias"},
              {&names.out_features, "out_features"},
-             {&names.ordered_dict_name, "OrderedDict"},
-             {&names.global_hooks[0], global_hooks[0]},
-             {&names.global_hooks[1], global_hooks[1]},
-             {&names.global_hooks[2], global_hooks[2]},
-             {&names.global_hooks[3], global_hooks[3]},
-             {&names.instance_hooks[0], instance_hooks[0]},
-             {&names.instance_hooks[1], instance_hooks[1]},
-             {&names.instance_hooks[2], instance_hooks[2]},
-             {&names.instance_hooks[3], instance_hooks[3]}};
+             {&names.ordered_dict_name, "OrderedDict"}};
   for (auto &n : all)
     if (!(*n.slot = PyUnicode_InternFromString(n.name))) return false;
+  for (int i = 0; i < 4; i++)
+    if (!(names.global_hooks[i] = PyUnicode_InternFromString(global_hooks[i])) ||
+        !(names.instance_hooks[i] = PyUnicode_InternFromString(instance_hooks[i])))
+      return false;
   return names.interned = true;
 }
 
