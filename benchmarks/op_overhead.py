@@ -10,7 +10,9 @@
     copies, one per blob of the rotation);
   - the same C function, ulb_linear, through ctypes with raw pointers and a
     preallocated output (no tensor touched per call);
-  - ulb_read_probe through ctypes with raw pointers (the stream roofline).
+  - ulb_read_probe_streams through ctypes with raw pointers (the stream
+    roofline), reading each blob as one run or as four, whichever read a
+    big buffer faster at that thread count (common.measure_read_bandwidth);
 Prints µs per call, each one's % of the probe and the module call's speed-up over
 nn.Module.__call__ (medians of per-round ratios).
 
@@ -51,7 +53,7 @@ _lib.ulb_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, cty
                             ctypes.c_int, ctypes.c_int64, ctypes.c_int]
 
 
-def measure(M: int, K: int, threads: int, reps: int) -> str:
+def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 4, (M, K), dtype=torch.uint8, generator=gen)
     blob = ulbtorch.ops.pack(codes, torch.rand(M, 1, generator=gen) * 0.02 + 0.01, "int2_sym", 0)
@@ -81,7 +83,7 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
     samples: list[list[float]] = []
     t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (blobs, lambda b: eager(x, b, None, M)),
                                  (ptrs, c_linear),
-                                 (ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum))),
+                                 (ptrs, lambda p: _lib.ulb_read_probe_streams(p, nbytes, threads, streams, ctypes.byref(checksum))),
                                  (modules, lambda m: m(x)), (modules, lambda m: nn.Module.__call__(m, x))],
                                 reps=reps, samples_out=samples)
     pct = [100 * common.median_ratio(samples[3], samples[i]) for i in range(3)]
@@ -94,7 +96,8 @@ def measure(M: int, K: int, threads: int, reps: int) -> str:
         return line + "            -             -               -              -"
     op_in, op_out = split_call(blobs, lambda b: op(x, b, None, M), 2)
     ea_in, ea_out = split_call(blobs, lambda b: eager(x, b, None, M), 2)
-    pr_in, pr_out = split_call(ptrs, lambda p: _lib.ulb_read_probe(p, nbytes, threads, ctypes.byref(checksum)), 0)
+    pr_in, pr_out = split_call(ptrs, lambda p: _lib.ulb_read_probe_streams(p, nbytes, threads, streams,
+                                                                            ctypes.byref(checksum)), 0)
     return line + f"  {op_in:9.1f}  {pr_in:12.1f}  {op_out:10.1f}  {ea_out:13.1f}  {pr_out:13.1f}"
 
 
@@ -120,12 +123,13 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in common.parse_list(args.shapes)]
     threads = common.parse_list(args.threads, int)
     common.print_environment()
+    bw = common.measure_read_bandwidth(threads, methods=["probe", "probe.x4"], verbose=True)
     print("shape       thr  us op  us eager  us C (ctypes)  us probe  us module  us nn.Module  op/probe  eager/probe"
           "  C/probe  module call speed-up  op region  probe region  op outside  eager outside  probe outside")
     for M, K in shapes:
         for n in threads:
             with common.num_threads(n):
-                print(measure(M, K, n, args.reps), flush=True)
+                print(measure(M, K, n, bw[n]["probe_streams"], args.reps), flush=True)
 
 
 if __name__ == "__main__":
