@@ -81,9 +81,11 @@ def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
     torch.testing.assert_close(y, expect, rtol=0, atol=0)  # the paths compute the same thing
     assert torch.equal(eager(x, blob, None, M), expect) and torch.equal(module(x), expect)
     samples: list[list[float]] = []
+    def probe(p):
+        return _lib.ulb_read_probe_streams(p, nbytes, threads, streams, ctypes.byref(checksum))
+
     t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (blobs, lambda b: eager(x, b, None, M)),
-                                 (ptrs, c_linear),
-                                 (ptrs, lambda p: _lib.ulb_read_probe_streams(p, nbytes, threads, streams, ctypes.byref(checksum))),
+                                 (ptrs, c_linear), (ptrs, probe),
                                  (modules, lambda m: m(x)), (modules, lambda m: nn.Module.__call__(m, x))],
                                 reps=reps, samples_out=samples)
     pct = [100 * common.median_ratio(samples[3], samples[i]) for i in range(3)]
@@ -96,8 +98,7 @@ def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
         return line + "            -             -               -              -"
     op_in, op_out = split_call(blobs, lambda b: op(x, b, None, M), 2)
     ea_in, ea_out = split_call(blobs, lambda b: eager(x, b, None, M), 2)
-    pr_in, pr_out = split_call(ptrs, lambda p: _lib.ulb_read_probe_streams(p, nbytes, threads, streams,
-                                                                            ctypes.byref(checksum)), 0)
+    pr_in, pr_out = split_call(ptrs, probe, 0)
     return line + f"  {op_in:9.1f}  {pr_in:12.1f}  {op_out:10.1f}  {ea_out:13.1f}  {pr_out:13.1f}"
 
 

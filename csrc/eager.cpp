@@ -148,7 +148,7 @@ struct ModuleNames {
   PyObject *nn_globals = nullptr;        // torch.nn.modules.module.__dict__: the global hook tables
   PyObject *compiler_globals = nullptr;  // torch.compiler.__dict__: _is_compiling_flag
   PyObject *forward = nullptr;           // LowBitLinear.forward
-  PyTypeObject *ordered_dict = nullptr;  // collections.OrderedDict, as nn.Module's tables are
+  PyObject *ordered_dict = nullptr;      // collections.OrderedDict, as nn.Module's tables are
   PyObject *global_hooks[4] = {};
   PyObject *instance_hooks[4] = {};
   PyObject *call_name, *wrapped_call_impl_name, *call_impl_name, *compiling_flag, *compiled_call_impl,
@@ -204,7 +204,9 @@ PyObject *item(PyObject *d, PyObject *key) {
 }
 
 // A dict or OrderedDict itself (a subclass may read or count otherwise).
-bool plain_dict(PyObject *d) { return d && (PyDict_CheckExact(d) || Py_TYPE(d) == names.ordered_dict); }
+bool plain_dict(PyObject *d) {
+  return d && (PyDict_CheckExact(d) || reinterpret_cast<PyObject *>(Py_TYPE(d)) == names.ordered_dict);
+}
 
 bool empty_table(PyObject *d) { return plain_dict(d) && PyDict_GET_SIZE(d) == 0; }
 
@@ -231,9 +233,7 @@ PyObject *bind_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   Py_XSETREF(names.nn_globals, args[1]);
   Py_XSETREF(names.compiler_globals, args[2]);
   Py_XSETREF(names.forward, args[3]);
-  PyTypeObject *old = names.ordered_dict;
-  names.ordered_dict = reinterpret_cast<PyTypeObject *>(ordered);
-  Py_XDECREF(old);
+  Py_XSETREF(names.ordered_dict, ordered);
   Py_RETURN_TRUE;
 }
 

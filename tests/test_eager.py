@@ -238,9 +238,10 @@ def test_module_call_leaves_hooks_and_patches_to_nn_module(gen, monkeypatch):
         assert not ok and seen == ["hook"] and torch.equal(y, want), name
         y, ok = served(mod, x)  # hook removed: served again
         assert ok and torch.equal(y, want), name
+    module_hooks = torch.nn.modules.module
     for name, register in {"backward hook": lambda mod: mod.register_full_backward_hook(lambda *a: None),
                            "backward pre-hook": lambda mod: mod.register_full_backward_pre_hook(lambda *a: None),
-                           "global backward hook": lambda mod: torch.nn.modules.module.register_module_full_backward_hook(
+                           "global backward hook": lambda mod: module_hooks.register_module_full_backward_hook(
                                lambda *a: None)}.items():
         handle = register(m)
         try:
