@@ -16,28 +16,31 @@ static double now_ns(void) {
 
 int main(int argc, char **argv) {
     const int64_t M = 256, K = argc > 1 ? atoll(argv[1]) : 4096;
-    const int fmts[] = {ULB_FMT_INT2_SYM, ULB_FMT_BINARY, ULB_FMT_INT4};
-    for (int f = 0; f < 3; f++) {
+    /* 1-bit codes in both tile orders (ulb_tiles). */
+    const int fmts[] = {ULB_FMT_INT2_SYM, ULB_FMT_BINARY, ULB_FMT_BINARY, ULB_FMT_INT4};
+    const int orders[] = {ULB_TILES_VNNI, ULB_TILES_VNNI, ULB_TILES_LANES, ULB_TILES_VNNI};
+    for (int f = 0; f < 4; f++) {
         const int fmt = fmts[f], bits = ulb_format_get(fmt)->bits;
         const int64_t nbytes = ulb_packed_nbytes(fmt, M, K, 0);
         uint8_t *codes = calloc(M * K, 1), *blob = ulb_aligned_alloc(nbytes);
         float *sc = calloc(M, 4);
         for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (1 << bits));
         for (int64_t i = 0; i < M; i++) sc[i] = 1.0f;
-        ulb_pack(fmt, M, K, 0, codes, K, sc, blob, nbytes);
+        ulb_pack_tiles(fmt, orders[f], M, K, 0, codes, K, sc, blob, nbytes);
         ulb_weight w;
         ulb_weight_view(blob, nbytes, &w);
         int8_t *xq = ulb_aligned_alloc(ULB_NB_MAX * w.K_pad);
         int32_t xsum[ULB_NB_MAX] = {0};
         for (int64_t i = 0; i < ULB_NB_MAX * w.K_pad; i++) xq[i] = (int8_t)(rand() % 255 - 127);
         uint8_t *lut1 = ulb_aligned_alloc(w.ksteps * ULB_LUT1_STEP_BYTES);
-        if (ulb_lut1_available(ULB_ISA_AVX512)) ulb_lut1_build_avx512(xq, w.ksteps, lut1); /* AVX-512 code */
         float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
         for (int isa = ULB_ISA_AVX2; isa < ULB_ISA_COUNT; isa++) {
             if (!ulb_isa_supported(isa)) continue;
             ulb_panel_fn fn = ulb_panel_for_isa(isa);
             /* 1-bit one-token calls also with the lookup tables (ulb_lut1_enable). */
-            const int luts = fmt == ULB_FMT_BINARY && ulb_lut1_available(isa) ? 2 : 1;
+            const ulb_lut1_build_fn build = ulb_lut1_builder_for(&w, isa);
+            if (build) build(xq, w.ksteps, lut1);
+            const int luts = build ? 2 : 1;
             for (int lut = 0; lut < luts; lut++)
                 for (int nb = 1; nb <= (lut ? 1 : ULB_NB_MAX); nb *= 4) {
                     const ulb_acts a = ulb_acts_of(&w, xq, xsum, lut ? lut1 : NULL, 1);
@@ -48,8 +51,8 @@ int main(int argc, char **argv) {
                         const double dt = now_ns() - t0;
                         if (dt < best) best = dt;
                     }
-                    printf("%-8s %-6s%-5s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
-                           ulb_format_get(fmt)->name, ulb_isa_name(isa), lut ? "+lut1" : "", nb, M * K * nb / best,
+                    printf("%-8s %-5s %-6s%-5s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
+                           ulb_format_get(fmt)->name, orders[f] ? "lanes" : "vnni", ulb_isa_name(isa), lut ? "+lut1" : "", nb, M * K * nb / best,
                            (nbytes - 64) / best, nb);
                 }
         }

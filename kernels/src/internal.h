@@ -32,7 +32,7 @@ static inline void ulb_prefetch_ahead(const uint8_t *p, int64_t dist, const uint
 }
 
 typedef struct {
-    int bits, level_a, level_b;
+    int bits, tiles, level_a, level_b; /* tiles: a ulb_tiles */
     int64_t M, K, M_pad, K_pad, n_groups;
     int64_t ksteps; /* K_pad / ulb_tile_k(bits) */
     int64_t gsteps; /* group_size / ulb_tile_k(bits) */
@@ -40,7 +40,7 @@ typedef struct {
 } ulb_weight;
 
 static inline ulb_layout ulb_weight_layout(const ulb_weight *w) {
-    return (ulb_layout){w->bits, w->M_pad, w->ksteps, w->gsteps, w->n_groups};
+    return (ulb_layout){w->bits, w->tiles, w->M_pad, w->ksteps, w->gsteps, w->n_groups};
 }
 
 /* Bytes of codes in one group of one full panel: how often the group step
@@ -183,10 +183,21 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 #define ULB_LUT1_STEP_BYTES 256
 typedef void (*ulb_lut1_build_fn)(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);
-/* The table builder of `isa` (ulb_lut1_available), else NULL. */
-ulb_lut1_build_fn ulb_lut1_builder_for_isa(ulb_isa isa);
 void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
                            int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc);
+
+/* The same over LANES tiles under AVX2 (x86/lut1_avx2.c), tables of the
+ * same size in their own layout; kernels/ref/lut1_lanes_ref.c builds them in
+ * plain C. ulb_lut1_lanes_group_avx2 writes acc[16t + r] like the AVX-512
+ * one; every ISA's panel kernel takes it where acts.lut1 is set on a LANES
+ * blob. */
+void ulb_lut1_lanes_build_ref(const int8_t *xq, int64_t ksteps, uint8_t *lut);
+void ulb_lut1_lanes_build_avx2(const int8_t *xq, int64_t ksteps, uint8_t *lut);
+void ulb_lut1_lanes_group_avx2(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
+                               int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc);
+/* The table builder for one token on w under `isa`, or NULL where no lookup
+ * kernel serves (ulb_lut1_enabled aside). */
+ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa);
 
 /* Rows kernel of the one-token bf16 GEMV (src/gemv_bf16.c): out[r] = the
  * fp32 dot of row r of w (bf16, K columns, row stride ldw) with the K

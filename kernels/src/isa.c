@@ -91,10 +91,14 @@ int ulb_lut1_available(ulb_isa isa) {
 #endif
 }
 
-ulb_lut1_build_fn ulb_lut1_builder_for_isa(ulb_isa isa) {
+ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa) {
 #if defined(__x86_64__)
+    if (w->bits != 1) return NULL;
+    if (w->tiles == ULB_TILES_LANES)
+        return isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512 ? ulb_lut1_lanes_build_avx2 : NULL;
     if (ulb_lut1_available(isa)) return ulb_lut1_build_avx512;
 #endif
+    (void)w;
     (void)isa;
     return NULL;
 }

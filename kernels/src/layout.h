@@ -9,6 +9,11 @@
  * (8 fields of one bit), to 4-bit codes (two nibbles) and to 8-bit codes
  * (one field, the byte itself).
  *
+ * That is the VNNI tile order (ulb_tiles). 1-bit codes may instead take the
+ * LANES order: byte 16b + l holds the same fields, so each 128-bit lane holds
+ * byte slot b of all 16 rows and one 16-entry table lookup serves the lane
+ * (x86/lut1_avx2.c); a byte transpose turns it into the VNNI order.
+ *
  * Rows are padded to 16 and K to the tile width. Rows are grouped in panels
  * of 64 (4 tiles; the last panel may hold fewer), and each panel is one
  * contiguous stream over K, group after group; a group is its scales (fp32,
@@ -66,9 +71,12 @@ static inline int64_t ulb_group_offset(int nt, int64_t gsteps, int64_t g) {
 /* Where (m, k) lives, for a matrix of M_pad rows, ksteps k-steps in groups
  * of gsteps k-steps (n_groups of them). */
 typedef struct {
-    int bits;
+    int bits, tiles; /* tiles: a ulb_tiles */
     int64_t M_pad, ksteps, gsteps, n_groups;
 } ulb_layout;
+
+/* Byte of row l and byte slot b inside a tile of order `tiles`. */
+static inline int ulb_tile_byte(int tiles, int l, int b) { return tiles ? ULB_TILE * b + l : 4 * l + b; }
 
 /* Byte offset of the scale of row m, group g, inside the panel area. */
 static inline int64_t ulb_scale_pos(const ulb_layout *L, int64_t m, int64_t g) {
@@ -86,7 +94,7 @@ static inline void ulb_code_pos(const ulb_layout *L, int64_t m, int64_t k, int64
     const int64_t g = ks / L->gsteps, i = ks % L->gsteps;
     const int64_t j = kk / 4, b = kk % 4;
     *byte = ulb_panel_offset(L->ksteps, L->n_groups, p) + ulb_group_offset(nt, L->gsteps, g) +
-            nt * ULB_TILE_SCALE_BYTES + (i * nt + t) * ULB_TILE_BYTES + 4 * l + b;
+            nt * ULB_TILE_SCALE_BYTES + (i * nt + t) * ULB_TILE_BYTES + ulb_tile_byte(L->tiles, (int)l, (int)b);
     *shift = (int)(L->bits * j);
 }
 

@@ -27,12 +27,13 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-/* The table builder if a call takes the 1-bit lookup kernel (one token, one
- * thread, not disabled, see ulb.h), else NULL. With two threads the masking
- * kernel streams better and the tables only add cache traffic (0.67-0.90x
- * cold with tables, benchmarks/c/ab_builds.sh). */
+/* The table builder if a call takes a 1-bit lookup kernel (one token, not
+ * disabled, see ulb.h), else NULL. The AVX-512 one serves one thread only:
+ * with two the masking kernel streams better and the tables only add cache
+ * traffic (0.67-0.90x cold with tables, benchmarks/c/ab_builds.sh). */
 static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
-    return N == 1 && w->bits == 1 && nthreads <= 1 && ulb_lut1_enabled() ? ulb_lut1_builder_for_isa(isa) : NULL;
+    if (N != 1 || !ulb_lut1_enabled() || (w->tiles == ULB_TILES_VNNI && nthreads > 1)) return NULL;
+    return ulb_lut1_builder_for(w, isa);
 }
 
 /* Whether a call reads two panels at once where the ISA has a pair kernel:

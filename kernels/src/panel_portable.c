@@ -24,12 +24,21 @@
  * (left as a loop, the two passes kept 1-bit codes scalar: 6.4x slower). */
 #define FIELDS_AT_ONCE 4
 
+/* A tile of order `tiles` in VNNI order: as it is, or a LANES tile
+ * (layout.h) transposed into buf. */
+ALWAYS_INLINE const uint8_t *vnni_tile(const uint8_t *tile, const int tiles, uint8_t buf[LANES]) {
+    if (tiles == ULB_TILES_VNNI) return tile;
+    for (int l = 0; l < ULB_TILE; l++)
+        for (int b = 0; b < 4; b++) buf[4 * l + b] = tile[ulb_tile_byte(ULB_TILES_LANES, l, b)];
+    return buf;
+}
+
 /* lanes[t][q] += sum over fields of code(t, q, field) * x[4 * field + q % 4]
  * for the k-steps [0, steps) of one group, codes at `codes`, x at its first
  * column. Inlined per code width, so that the fields, shifts and masks are
  * constants and the lane loops vectorise. */
-ALWAYS_INLINE void group_lanes(const uint8_t *codes, int64_t steps, int nt, const int bits, const int8_t *x,
-                               int32_t lanes[ULB_PANEL_TILES][LANES]) {
+ALWAYS_INLINE void group_lanes(const uint8_t *codes, int64_t steps, int nt, const int bits, const int tiles,
+                               const int8_t *x, int32_t lanes[ULB_PANEL_TILES][LANES]) {
     const int fields = 8 / bits, tk = 32 / bits;
     const unsigned mask = bits == 8 ? 0xffu : (1u << bits) - 1u;
     int16_t xrep[8][PAT]; /* field f's four activations, twice: the pattern of 8 lanes (two rows) */
@@ -37,7 +46,8 @@ ALWAYS_INLINE void group_lanes(const uint8_t *codes, int64_t steps, int nt, cons
         for (int f = 0; f < fields; f++)
             for (int u = 0; u < PAT; u++) xrep[f][u] = x[4 * f + u % 4];
         for (int t = 0; t < nt; t++) {
-            const uint8_t *tile = codes + (i * nt + t) * LANES;
+            uint8_t buf[LANES];
+            const uint8_t *tile = vnni_tile(codes + (i * nt + t) * LANES, tiles, buf);
             for (int q0 = 0; q0 < LANES; q0 += PAT)
 #pragma GCC unroll 2
                 for (int f0 = 0; f0 < fields; f0 += FIELDS_AT_ONCE) {
@@ -54,13 +64,18 @@ ALWAYS_INLINE void group_lanes(const uint8_t *codes, int64_t steps, int nt, cons
     }
 }
 
-static void group_lanes_of_width(const uint8_t *codes, int64_t steps, int nt, int bits, const int8_t *x,
-                                 int32_t lanes[ULB_PANEL_TILES][LANES]) {
+static void group_lanes_of_width(const uint8_t *codes, int64_t steps, int nt, int bits, int tiles,
+                                 const int8_t *x, int32_t lanes[ULB_PANEL_TILES][LANES]) {
     switch (bits) {
-    case 1: group_lanes(codes, steps, nt, 1, x, lanes); return;
-    case 2: group_lanes(codes, steps, nt, 2, x, lanes); return;
-    case 4: group_lanes(codes, steps, nt, 4, x, lanes); return;
-    default: group_lanes(codes, steps, nt, 8, x, lanes); return;
+    case 1:
+        if (tiles == ULB_TILES_LANES)
+            group_lanes(codes, steps, nt, 1, ULB_TILES_LANES, x, lanes);
+        else
+            group_lanes(codes, steps, nt, 1, ULB_TILES_VNNI, x, lanes);
+        return;
+    case 2: group_lanes(codes, steps, nt, 2, ULB_TILES_VNNI, x, lanes); return;
+    case 4: group_lanes(codes, steps, nt, 4, ULB_TILES_VNNI, x, lanes); return;
+    default: group_lanes(codes, steps, nt, 8, ULB_TILES_VNNI, x, lanes); return;
     }
 }
 
@@ -76,7 +91,7 @@ void ulb_panel_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ul
         for (int j = 0; j < nb; j++) {
             int32_t lanes[ULB_PANEL_TILES][LANES];
             memset(lanes, 0, sizeof lanes);
-            group_lanes_of_width(codes, ks1 - ks0, ntiles, w->bits, a->xq + (n0 + j) * a->ldq + ks0 * tk, lanes);
+            group_lanes_of_width(codes, ks1 - ks0, ntiles, w->bits, w->tiles, a->xq + (n0 + j) * a->ldq + ks0 * tk, lanes);
             const int32_t xsum = a->xsum[(n0 + j) * w->n_groups + g];
             for (int r = 0; r < ntiles * ULB_TILE; r++) {
                 const int32_t *l4 = &lanes[r / ULB_TILE][4 * (r % ULB_TILE)];

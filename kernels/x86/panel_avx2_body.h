@@ -40,6 +40,21 @@ ALWAYS_INLINE __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* Half h (rows 8h .. 8h + 7) of a tile in VNNI order: loaded as is, or
+ * from a LANES tile (layout.h), whose byte slots b = 0..3 are its four
+ * 16-byte lanes, by a byte transpose: unpacking the two 32-byte halves
+ * interleaves slots 0 with 2 and 1 with 3 (rows 0-7 low, 8-15 high), vpermq
+ * puts a quarter of each pair side by side in a lane, and vpshufb orders each
+ * row's four bytes. */
+ALWAYS_INLINE __m256i tile_half(const uint8_t *tile, int h, const int lanes) {
+    if (!lanes) return _mm256_loadu_si256((const __m256i *)(tile + 32 * h));
+    const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10,
+                                           3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i s01 = _mm256_loadu_si256((const __m256i *)tile), s23 = _mm256_loadu_si256((const __m256i *)(tile + 32));
+    const __m256i pairs = h ? _mm256_unpackhi_epi8(s01, s23) : _mm256_unpacklo_epi8(s01, s23);
+    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(pairs, 0xD8), order);
+}
+
 /* Field f of a half tile brought down to 0..(2^bits - 1): the VNNI4 u8
  * operand of k-quad f for 8 rows. */
 ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
@@ -62,7 +77,8 @@ ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
  * 1-bit kernels tried: benchmarks/results/README.md, Zen 3. */
 #define ONE_BIT_CHUNK 8
 ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1, const int nt, const int8_t *x,
-                                  int64_t pf_dist, const uint8_t *pf_end, __m256i acc[ULB_PANEL_TILES][2]) {
+                                  int64_t pf_dist, const uint8_t *pf_end, __m256i acc[ULB_PANEL_TILES][2],
+                                  const int lanes) {
     const __m256i ones16 = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
@@ -77,8 +93,7 @@ ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1
                 const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
                 ulb_prefetch_ahead(tile, pf_dist, pf_end);
                 const int8_t *xk = x + ks * 32;
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)tile);
-                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(tile + 32));
+                const __m256i v0 = tile_half(tile, 0, lanes), v1 = tile_half(tile, 1, lanes);
                 const __m256i hi0 = _mm256_srli_epi16(v0, 4), hi1 = _mm256_srli_epi16(v1, 4);
 #pragma GCC unroll 4
                 for (int s = 0; s < 4; s++) {
@@ -162,7 +177,7 @@ ALWAYS_INLINE void one_token_fields(const uint8_t *const *codes, const int np, i
  * through panel j: out and acc are per job. */
 ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int np, int nt, int t0, const int tc,
                               const ulb_acts *a, int64_t n0, float *const *faccs, int32_t *dots, const int nb,
-                              const int bits, const int prefetch) {
+                              const int bits, const int prefetch, const int lanes) {
     const int fields = 8 / bits, kt = 32 / bits, jobs = np > 1 ? np : nb;
     const int64_t pf_dist = prefetch ? a->prefetch_dist : 0; /* see panel_bits */
     const int8_t *x[ULB_NB_MAX];
@@ -198,8 +213,16 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
             for (int t = 0; t < tc; t++) acc[j][t][0] = acc[j][t][1] = _mm256_setzero_si256();
         /* With vpdpbusd the field loop below takes 23 operations per 32 bytes of
          * 1-bit codes, as few as the slots. */
-        if (bits == 1 && nb == 1 && !ULB_AVX2_VNNI)
-            one_token_1bit(codes[0], ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0]);
+        /* One token with tables: a LANES blob (the tables of VNNI tiles are
+         * AVX-512's, whose kernel takes them). */
+        if (bits == 1 && nb == 1 && a->lut1) {
+            int32_t dot1[ULB_PANEL_ROWS] __attribute__((aligned(32)));
+            ulb_lut1_lanes_group_avx2(codes[0], ks0, ks1, tc, a->lut1, pf_dist, a->prefetch_end, dot1);
+#pragma GCC unroll 4
+            for (int t = 0; t < tc; t++)
+                for (int h = 0; h < 2; h++) acc[0][t][h] = _mm256_load_si256((const __m256i *)(dot1 + 16 * t + 8 * h));
+        } else if (bits == 1 && nb == 1 && !ULB_AVX2_VNNI)
+            one_token_1bit(codes[0], ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0], lanes);
         else if ((bits == 2 || bits == 4) && nb == 1 && !ULB_AVX2_VNNI)
             one_token_fields(codes, np, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc, bits);
         else for (int64_t ks = ks0; ks < ks1; ks++)
@@ -209,9 +232,9 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
             for (int t = 0; t < tc; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
-                    const uint8_t *half = codes[q] + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES + 32 * h;
-                    if (h == 0) ulb_prefetch_ahead(half, pf_dist, a->prefetch_end);
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)half);
+                    const uint8_t *tile = codes[q] + ((ks - ks0) * nt + t0 + t) * ULB_TILE_BYTES;
+                    if (h == 0) ulb_prefetch_ahead(tile, pf_dist, a->prefetch_end);
+                    const __m256i v = tile_half(tile, h, lanes);
 #if !ULB_AVX2_VNNI
                     __m256i p[ULB_NB_MAX];
 #endif
@@ -276,46 +299,56 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
     }
 }
 
-#define ULB_ONE_TOKEN(BITS, PF, NT)                                                                \
+#define ULB_ONE_TOKEN(BITS, PF, LANES, NT)                                                         \
     case NT:                                                                                       \
-        tiles_body(w, &p, 1, ntiles, 0, NT, a, n0, &facc, dots, 1, BITS, PF);                      \
+        tiles_body(w, &p, 1, ntiles, 0, NT, a, n0, &facc, dots, 1, BITS, PF, LANES);               \
         return;
-#define ULB_TOKENS(BITS, PF, NB)                                                                   \
+#define ULB_TOKENS(BITS, PF, LANES, NB)                                                            \
     case NB:                                                                                       \
         for (int t = 0; t < ntiles; t++)                                                           \
-            tiles_body(w, &p, 1, ntiles, t, 1, a, n0, &facc, dots, NB, BITS, PF);                  \
+            tiles_body(w, &p, 1, ntiles, t, 1, a, n0, &facc, dots, NB, BITS, PF, LANES);           \
         return;
 
 /* prefetch (a constant): whether to prefetch at all; without it the prefetch
  * code is compiled out (a zero distance tested in the tile loop cost the
  * AVX-512 2-bit one-token loop 6-13% on Zen 4). */
-ALWAYS_INLINE void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a,
-                              int64_t n0, int nb, float *facc, int32_t *dots, const int bits, const int prefetch) {
+ALWAYS_INLINE void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
+                              int nb, float *facc, int32_t *dots, const int bits, const int prefetch,
+                              const int lanes) {
     const int64_t p = tile0 / ULB_PANEL_TILES;
     if (nb == 1) {
         switch (ntiles) {
-            ULB_ONE_TOKEN(bits, prefetch, 1) ULB_ONE_TOKEN(bits, prefetch, 2)
-            ULB_ONE_TOKEN(bits, prefetch, 3) ULB_ONE_TOKEN(bits, prefetch, 4)
+            ULB_ONE_TOKEN(bits, prefetch, lanes, 1) ULB_ONE_TOKEN(bits, prefetch, lanes, 2)
+            ULB_ONE_TOKEN(bits, prefetch, lanes, 3) ULB_ONE_TOKEN(bits, prefetch, lanes, 4)
         }
     } else {
-        switch (nb) { ULB_TOKENS(bits, prefetch, 2) ULB_TOKENS(bits, prefetch, 3) ULB_TOKENS(bits, prefetch, 4) }
+        switch (nb) {
+            ULB_TOKENS(bits, prefetch, lanes, 2) ULB_TOKENS(bits, prefetch, lanes, 3)
+            ULB_TOKENS(bits, prefetch, lanes, 4)
+        }
     }
 }
 
-/* panel_1bit, panel_2bit, panel_4bit, panel_8bit: panel_bits with the code
- * width fixed, with and without prefetch. */
-#define ULB_PANEL_FN(BITS)                                                                         \
-    static void panel_##BITS##bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, \
-                                  int64_t n0, int nb, float *facc, int32_t *dots) {                \
+/* panel_bits with the code width and tile order fixed, with and without
+ * prefetch: NAME(bits, lanes). */
+#define ULB_PANEL_FN(NAME, BITS, LANES)                                                            \
+    static void NAME(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, \
+                     int nb, float *facc, int32_t *dots) {                                         \
         if (a->prefetch_dist)                                                                      \
-            panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS, 1);                          \
+            panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS, 1, LANES);                   \
         else                                                                                       \
-            panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS, 0);                          \
+            panel_bits(w, tile0, ntiles, a, n0, nb, facc, dots, BITS, 0, LANES);                   \
     }
-ULB_PANEL_FN(1)
-ULB_PANEL_FN(2)
-ULB_PANEL_FN(4)
-ULB_PANEL_FN(8)
+ULB_PANEL_FN(panel_1bit_vnni, 1, 0)
+ULB_PANEL_FN(panel_1bit_lanes, 1, 1)
+ULB_PANEL_FN(panel_2bit, 2, 0)
+ULB_PANEL_FN(panel_4bit, 4, 0)
+ULB_PANEL_FN(panel_8bit, 8, 0)
+
+static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                       float *facc, int32_t *dots) {
+    (w->tiles == ULB_TILES_LANES ? panel_1bit_lanes : panel_1bit_vnni)(w, tile0, ntiles, a, n0, nb, facc, dots);
+}
 
 #if !ULB_AVX2_VNNI
 /* ulb_panel_pair_fn for 2-, 4- and 8-bit codes (tiles_body with np = 2),
@@ -323,9 +356,9 @@ ULB_PANEL_FN(8)
 #define ULB_PAIR_BITS(BITS)                                                                        \
     case BITS:                                                                                     \
         if (a->prefetch_dist)                                                                      \
-            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 1);   \
+            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 1, 0); \
         else                                                                                       \
-            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 0);   \
+            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 0, 0); \
         return;
 void ulb_panel_pair_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
                          float *facc_q) {

@@ -175,4 +175,11 @@ ULB_PANEL_FN(2)
 ULB_PANEL_FN(4)
 ULB_PANEL_FN(8)
 
-ULB_PANEL_BY_WIDTH(ulb_panel_avx512)
+static ULB_PANEL_BY_WIDTH(panel_vnni_avx512)
+
+/* Tiles in LANES order (1-bit codes, made for AVX2 CPUs) go to the AVX2
+ * kernels, which run here too and take them directly or transpose them. */
+void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                      float *facc, int32_t *dots) {
+    (w->tiles == ULB_TILES_LANES ? ulb_panel_avx2 : panel_vnni_avx512)(w, tile0, ntiles, a, n0, nb, facc, dots);
+}

@@ -56,23 +56,31 @@ static int check_int_dots(const uint8_t *blob, int64_t nb, int64_t N, int extrem
     return fails;
 }
 
+/* Every format in its VNNI tiles, and 1-bit codes in LANES tiles too. */
+static const struct form {
+    int fmt, tiles;
+} FORMS[] = {{ULB_FMT_INT2, ULB_TILES_VNNI},   {ULB_FMT_INT2_SYM, ULB_TILES_VNNI}, {ULB_FMT_TERNARY, ULB_TILES_VNNI},
+             {ULB_FMT_BINARY, ULB_TILES_VNNI}, {ULB_FMT_BINARY, ULB_TILES_LANES},  {ULB_FMT_INT8, ULB_TILES_VNNI},
+             {ULB_FMT_INT4, ULB_TILES_VNNI}};
+#define N_FORMS (int)(sizeof FORMS / sizeof FORMS[0])
+
 /* Largest codes times -128 over a long single group: the widest 16- and
  * 32-bit sums any kernel keeps, against the closed form too. */
-static int check_int_extremes(int fmt, int64_t K, int64_t N) {
+static int check_int_extremes(int fmt, int tiles, int64_t K, int64_t N) {
     const ulb_format_info *fi = ulb_format_get(fmt);
     const int64_t M = 16, nb = ulb_packed_nbytes(fmt, M, K, 0);
     uint8_t *codes = malloc(M * K), *blob = malloc(nb);
     float *sc = malloc(M * 4);
     memset(codes, fi->max_code, M * K);
     for (int64_t m = 0; m < M; m++) sc[m] = 1.0f;
-    int fails = ulb_pack(fmt, M, K, 0, codes, K, sc, blob, nb) != ULB_OK;
+    int fails = ulb_pack_tiles(fmt, tiles, M, K, 0, codes, K, sc, blob, nb) != ULB_OK;
     const int64_t want = (int64_t)(fi->level_a * fi->max_code + fi->level_b) * -128 * K;
     if (!fails) fails += check_int_dots(blob, nb, N, 1, &want);
     free(codes); free(blob); free(sc);
     return fails;
 }
 
-static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
+static int check(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, int64_t N) {
     const ulb_format_info *fi = ulb_format_get(fmt);
     int64_t nb = ulb_packed_nbytes(fmt, M, K, gs);
     if (nb < 0) { printf("nbytes error %s\n", ulb_status_str((ulb_status)-nb)); return 1; }
@@ -81,7 +89,7 @@ static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
     float *sc = malloc(M * G * 4), *sc2 = malloc(M * G * 4);
     for (int64_t i = 0; i < M * K; i++) codes[i] = rnd() % (fi->max_code + 1);
     for (int64_t i = 0; i < M * G; i++) sc[i] = (rnd() % 1000 + 1) * 1e-3f;
-    if (ulb_pack(fmt, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
+    if (ulb_pack_tiles(fmt, tiles, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
     ulb_unpack(blob, nb, codes2, sc2);
     if (memcmp(codes, codes2, M * K) || memcmp(sc, sc2, M * G * 4)) { printf("unpack mismatch\n"); return 1; }
     /* The kernels' prefetch bound (ulb_weight_panels_end) must end where the blob's panels do. */
@@ -102,7 +110,8 @@ static int check(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N) {
         ulb_status st = ulb_linear(blob, nb, N, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y[isa], ULB_DT_F32, M, 2);
         if (st) { printf("linear failed %s\n", ulb_status_str(st)); return 1; }
         if (isa && memcmp(y[0], y[isa], N * M * 4)) {
-            printf("MISMATCH fmt=%d M=%ld K=%ld gs=%ld N=%ld isa=%s\n", fmt, (long)M, (long)K, (long)gs, (long)N, ulb_isa_name(isa));
+            printf("MISMATCH fmt=%d tiles=%d M=%ld K=%ld gs=%ld N=%ld isa=%s\n", fmt, tiles, (long)M, (long)K, (long)gs,
+                   (long)N, ulb_isa_name(isa));
             for (int64_t i = 0; i < N * M; i++) if (y[0][i] != y[isa][i]) { printf("  first at %ld: %g vs %g\n", (long)i, y[0][i], y[isa][i]); break; }
             fails++;
         }
@@ -162,7 +171,7 @@ static void x_strides(int layout, int64_t N, int64_t K, int64_t *ldx, int64_t *i
  * from a contiguous copy of x; then the scalar y against a double-precision
  * reference from the unpacked codes and activations quantised here. Elements
  * of x's buffer outside the N x K view are NaN, so reading one shows. */
-static int check_linear(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N, ulb_dtype x_dt, int layout,
+static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, int64_t N, ulb_dtype x_dt, int layout,
                         int has_bias, ulb_dtype bias_dt, ulb_dtype y_dt) {
     const ulb_format_info *fi = ulb_format_get(fmt);
     const int64_t nb = ulb_packed_nbytes(fmt, M, K, gs);
@@ -172,7 +181,7 @@ static int check_linear(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N, ul
     float *sc = malloc(M * G * 4);
     for (int64_t i = 0; i < M * K; i++) codes[i] = rnd() % (fi->max_code + 1);
     for (int64_t i = 0; i < M * G; i++) sc[i] = (rnd() % 1000 + 1) * 1e-3f;
-    if (ulb_pack(fmt, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
+    if (ulb_pack_tiles(fmt, tiles, M, K, gs, codes, K, sc, blob, nb)) { printf("pack failed\n"); return 1; }
     ulb_weight w;
     ulb_weight_view(blob, nb, &w);
     const int64_t group = w.gsteps * ulb_tile_k(w.bits);
@@ -273,13 +282,13 @@ static int check_linear(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N, ul
 
 /* check_linear over every (x dtype, y dtype, bias) on each shape, the x
  * layout turning with the shape so that every combination of the four comes up. */
-static int check_linear_variants(int fmt, int64_t M, int64_t K, int64_t gs, int64_t N, int *turn, int *n) {
+static int check_linear_variants(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, int64_t N, int *turn, int *n) {
     int fails = 0;
     for (int x_dt = 0; x_dt < 2; x_dt++)
         for (int y_dt = 0; y_dt < 2; y_dt++)
             for (int b = 0; b < 3; b++) {
                 const int layout = (*turn)++ % X_LAYOUTS;
-                fails += check_linear(fmt, M, K, gs, N, (ulb_dtype)x_dt, layout, b != 0, b == 2 ? ULB_DT_BF16 : ULB_DT_F32,
+                fails += check_linear(fmt, tiles, M, K, gs, N, (ulb_dtype)x_dt, layout, b != 0, b == 2 ? ULB_DT_BF16 : ULB_DT_F32,
                                       (ulb_dtype)y_dt);
                 (*n)++;
             }
@@ -350,16 +359,75 @@ static int check_read_probe(int *n) {
     return fails;
 }
 
+/* The tile order: LANES for 1-bit formats only, a blob naming another order
+ * rejected, the preferred order of the active ISA, and the same bytes placed
+ * as ulb_tile_byte says. */
+static int check_tile_orders(int *n) {
+    int fails = 0;
+    const int64_t M = 16, K = 32;
+    uint8_t codes[16 * 32] = {0}, *blob = malloc(ulb_packed_nbytes(ULB_FMT_BINARY, M, K, 0));
+    float sc[16];
+    for (int i = 0; i < 16; i++) sc[i] = 1.0f;
+    const int64_t nb = ulb_packed_nbytes(ULB_FMT_BINARY, M, K, 0);
+    fails += ulb_pack_tiles(ULB_FMT_TERNARY, ULB_TILES_LANES, M, K, 0, codes, K, sc, blob, nb) != ULB_ERR_TILES;
+    fails += ulb_pack_tiles(ULB_FMT_BINARY, 2, M, K, 0, codes, K, sc, blob, nb) != ULB_ERR_TILES;
+    codes[5 * K + 9] = 1; /* row 5, column 9: byte slot 1, field 2 */
+    for (int tiles = 0; tiles < 2; tiles++) {
+        fails += ulb_pack_tiles(ULB_FMT_BINARY, tiles, M, K, 0, codes, K, sc, blob, nb) != ULB_OK;
+        const uint8_t *tile = blob + ULB_HEADER_BYTES + ULB_TILE_SCALE_BYTES;
+        for (int i = 0; i < ULB_TILE_BYTES; i++)
+            if (tile[i] != (i == (tiles ? 16 * 1 + 5 : 4 * 5 + 1) ? 1 << 2 : 0)) {
+                printf("tiles %d: byte %d holds %d\n", tiles, i, tile[i]);
+                fails++;
+            }
+        ulb_header h;
+        fails += ulb_blob_header(blob, nb, &h) != ULB_OK || h.tiles != tiles || h.format != ULB_FMT_BINARY;
+    }
+    blob[7] = 2; /* the header's tile order */
+    fails += ulb_blob_header(blob, nb, &(ulb_header){0}) != ULB_ERR_BLOB;
+    blob[7] = 1, blob[6] = ULB_FMT_INT2;
+    fails += ulb_blob_header(blob, nb, &(ulb_header){0}) != ULB_ERR_BLOB;
+    const ulb_isa was = ulb_isa_active();
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++) {
+        if (!ulb_isa_supported(isa)) continue;
+        ulb_isa_set(isa);
+        const int lanes = isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI;
+        fails += ulb_tiles_preferred(ULB_FMT_BINARY) != (lanes ? ULB_TILES_LANES : ULB_TILES_VNNI);
+        fails += ulb_tiles_preferred(ULB_FMT_INT2) != ULB_TILES_VNNI;
+    }
+    ulb_isa_set(was);
+    if (fails) printf("tile orders: %d failures\n", fails);
+    free(blob);
+    (*n)++;
+    return fails != 0;
+}
+
+#if defined(__x86_64__)
+/* The AVX2 builder of the LANES lookup tables against plain C, byte for
+ * byte, over every activation value. */
+static int check_lanes_tables(int *n) {
+    enum { KSTEPS = 9 };
+    int8_t x[32 * KSTEPS];
+    uint8_t want[KSTEPS * ULB_LUT1_STEP_BYTES], got[KSTEPS * ULB_LUT1_STEP_BYTES];
+    for (int i = 0; i < 32 * KSTEPS; i++) x[i] = (int8_t)(i < 256 ? i - 128 : (int)(rnd() % 256) - 128);
+    ulb_lut1_lanes_build_ref(x, KSTEPS, want);
+    ulb_lut1_lanes_build_avx2(x, KSTEPS, got);
+    (*n)++;
+    if (memcmp(want, got, sizeof want)) return printf("LANES tables differ from plain C\n"), 1;
+    return 0;
+}
+#endif
+
 int main(void) {
     int fails = 0, n = 0;
     const int64_t Ms[] = {1, 7, 33, 100, 1000};
     const int64_t Ks[] = {1, 16, 33, 257, 4097};
     const int64_t Ns[] = {1, 2, 5, 9};
     const int64_t gss[] = {0, 32, 128};
-    for (int fmt = ULB_FMT_INT2; fmt <= ULB_FMT_INT4; fmt++)
+    for (int f = 0; f < N_FORMS; f++)
         for (int a = 0; a < 5; a++) for (int b = 0; b < 5; b++) for (int c = 0; c < 4; c++) for (int d = 0; d < 3; d++) {
             if (Ms[a] * Ks[b] > 1000 * 300 && c > 1) continue;
-            fails += check(fmt, Ms[a], Ks[b], gss[d], Ns[c]);
+            fails += check(FORMS[f].fmt, FORMS[f].tiles, Ms[a], Ks[b], gss[d], Ns[c]);
             n++;
         }
     for (int a = 0; a < 5; a++) for (int b = 0; b < 5; b++) {
@@ -373,13 +441,13 @@ int main(void) {
     }
     /* int8 and int4 groups narrower than the 2-bit tile */
     for (int a = 1; a < 4; a++) for (int c = 0; c < 4; c++) {
-        fails += check(ULB_FMT_INT8, Ms[a], 257, 12, Ns[c]);
-        fails += check(ULB_FMT_INT4, Ms[a], 257, 24, Ns[c]);
+        fails += check(ULB_FMT_INT8, ULB_TILES_VNNI, Ms[a], 257, 12, Ns[c]);
+        fails += check(ULB_FMT_INT4, ULB_TILES_VNNI, Ms[a], 257, 24, Ns[c]);
         n += 2;
     }
-    for (int fmt = ULB_FMT_INT2; fmt <= ULB_FMT_INT4; fmt++)
+    for (int f = 0; f < N_FORMS; f++)
         for (int N = 1; N <= 2; N++) {
-            fails += check_int_extremes(fmt, 65536, N);
+            fails += check_int_extremes(FORMS[f].fmt, FORMS[f].tiles, 65536, N);
             n++;
         }
     /* ulb_linear's dtypes, bias and strides: M and K off the 64-row panel and
@@ -388,15 +456,16 @@ int main(void) {
     int turn = 0;
     const int64_t lin_MK[][2] = {{7, 33}, {100, 257}, {333, 1100}};
     const int64_t lin_Ns[] = {1, 2, 5};
-    for (int fmt = ULB_FMT_INT2; fmt <= ULB_FMT_INT4; fmt++)
+    for (int f = 0; f < N_FORMS; f++)
         for (int a = 0; a < 3; a++)
             for (int c = 0; c < 3; c++)
                 for (int d = 0; d < 2; d++) {
                     if (a == 2 && (c == 1 || d == 1)) continue;
-                    fails += check_linear_variants(fmt, lin_MK[a][0], lin_MK[a][1], gss[d], lin_Ns[c], &turn, &n);
+                    fails += check_linear_variants(FORMS[f].fmt, FORMS[f].tiles, lin_MK[a][0], lin_MK[a][1], gss[d], lin_Ns[c], &turn, &n);
                 }
+    fails += check_tile_orders(&n);
 #if defined(__x86_64__)
-    if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n);
+    if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n) + check_lanes_tables(&n);
 #endif
     fails += check_read_probe(&n);
     printf("ISAs run:");

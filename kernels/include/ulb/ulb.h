@@ -34,7 +34,8 @@ typedef enum {
     ULB_ERR_NOMEM,
     ULB_ERR_THREADS,
     ULB_ERR_SCALE,      /* a scale is NaN or infinite */
-    ULB_ERR_BLOB_VERSION /* packed blob of an older layout version */
+    ULB_ERR_BLOB_VERSION, /* packed blob of an older layout version */
+    ULB_ERR_TILES        /* tile order unknown, or not offered for this format */
 } ulb_status;
 
 const char *ulb_status_str(ulb_status s);
@@ -67,10 +68,20 @@ const ulb_format_info *ulb_format_get(int format);
 /* K is padded to a multiple of 32 (1-bit), 16 (2-bit), 8 (4-bit) or 4 (8-bit)
  * columns; group sizes must be multiples of the same. */
 
+/* How the codes of a 64-byte tile of 16 rows are arranged (src/layout.h).
+ * VNNI: byte 4l + b of row l, so that a field masked in place is a VNNI4
+ * operand; every width. LANES (1-bit codes only): byte 16b + l, so that a
+ * 128-bit lane holds one byte of each row and table lookups (vpshufb) serve a
+ * whole lane; the AVX2 one-token kernel looks codes up this way, every other
+ * kernel turns such a tile into VNNI order in registers. */
+typedef enum { ULB_TILES_VNNI = 0, ULB_TILES_LANES = 1 } ulb_tiles;
+#define ULB_TILES_PREFERRED (-1)
+
 typedef struct {
     uint32_t magic;   /* ULB_MAGIC */
     uint16_t version; /* ULB_BLOB_VERSION */
-    uint16_t format;
+    uint8_t format;
+    uint8_t tiles; /* ulb_tiles; 0 in every blob before LANES existed */
     int64_t M, K;
     int64_t group_size; /* == K_pad for one group per row */
     int64_t n_groups;
@@ -87,10 +98,20 @@ typedef struct {
 int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size);
 
 /* codes: M x K uint8 with row stride ldc; scales: M x n_groups float32 (row
- * major). Writes the whole blob (nbytes from ulb_packed_nbytes). */
+ * major). Writes the whole blob (nbytes from ulb_packed_nbytes), its tiles in
+ * the order ulb_tiles_preferred gives. */
 ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
                     const uint8_t *codes, int64_t ldc, const float *scales,
                     uint8_t *blob, int64_t nbytes);
+/* The same with the tile order named: a ulb_tiles, or ULB_TILES_PREFERRED.
+ * Same size whatever the order. */
+ulb_status ulb_pack_tiles(int format, int tiles, int64_t M, int64_t K, int64_t group_size,
+                          const uint8_t *codes, int64_t ldc, const float *scales,
+                          uint8_t *blob, int64_t nbytes);
+/* The tile order whose kernels run `format` fastest under the active ISA:
+ * LANES for 1-bit codes where AVX2 (without AVX-512) is active, else VNNI.
+ * Blobs of either order run under every ISA. */
+ulb_tiles ulb_tiles_preferred(int format);
 
 /* Validates a blob and returns its header. */
 ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out);
