@@ -120,7 +120,7 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
   return Tensor(out);
 }
 
-Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size) {
+Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int64_t tiles) {
   const Meta mc(codes), ms(scales);
   check_cpu(mc, "pack", "codes");
   check_cpu(ms, "pack", "scales");
@@ -131,6 +131,9 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size) {
                   dtype_name(mc.dtype), " with ", mc.dim, " dims");
   STD_TORCH_CHECK(ms.dtype == kF32 && ms.dim == 2,
                   "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
+  STD_TORCH_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI || (tiles == ULB_TILES_LANES && fi->bits == 1),
+                  "ulb.pack: tile order ", tiles, " is not offered for format ", fi->name,
+                  " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
   const int64_t M = mc.sizes[0], K = mc.sizes[1];
   const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
   if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
@@ -140,7 +143,7 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size) {
   codes = torch::stable::contiguous(codes);
   scales = torch::stable::contiguous(scales);
   Tensor out = new_tensor({nbytes}, kU8);
-  check_ok(ulb_pack(static_cast<int>(format), M, K, group_size,
+  check_ok(ulb_pack_tiles(static_cast<int>(format), static_cast<int>(tiles), M, K, group_size,
                     static_cast<const uint8_t *>(codes.const_data_ptr()), K,
                     static_cast<const float *>(scales.const_data_ptr()),
                     static_cast<uint8_t *>(out.mutable_data_ptr()), nbytes),
@@ -160,9 +163,9 @@ std::tuple<Tensor, Tensor> unpack(Tensor packed) {
 
 Tensor packed_info(Tensor packed) {
   const ulb_header h = check_packed(packed, "packed_info").h;
-  Tensor out = new_tensor({7}, kI64);
+  Tensor out = new_tensor({8}, kI64);
   int64_t *p = static_cast<int64_t *>(out.mutable_data_ptr());
-  const int64_t v[7] = {h.format, h.M, h.K, h.group_size, h.n_groups, h.M_pad, h.K_pad};
+  const int64_t v[8] = {h.format, h.M, h.K, h.group_size, h.n_groups, h.M_pad, h.K_pad, h.tiles};
   std::memcpy(p, v, sizeof v);
   return out;
 }
@@ -298,7 +301,7 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
 }  // namespace
 
 STABLE_TORCH_LIBRARY(ulb, m) {
-  m.def("pack(Tensor codes, Tensor scales, int format, int group_size) -> Tensor");
+  m.def("pack(Tensor codes, Tensor scales, int format, int group_size, int tiles=-1) -> Tensor");
   m.def("unpack(Tensor packed) -> (Tensor, Tensor)");
   m.def("packed_info(Tensor packed) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");

@@ -15,14 +15,24 @@ from ulbtorch import ops, runtime
 from ulbtorch.formats import FORMATS, FORMATS_BY_ID, get_format, n_groups, normalize_group_size
 
 ISAS = runtime.supported_isas()
-# Kernel sets under test: every ISA (AVX-512 with the 1-bit lookup-table
-# kernel where it can run, the default), and AVX-512 with it switched off.
-KERNELS = ISAS + (["avx512+nolut1"] if runtime.lut1_available() else [])
+# Kernel sets under test: every ISA (with a 1-bit lookup-table kernel where
+# one runs, the default), and each ISA that has one with it switched off.
+KERNELS = ISAS + [f"{isa}+nolut1" for isa in ISAS if runtime.lut1_available(isa)]
 FMTS = list(FORMATS)
+# A format in "vnni" tiles, or "binary:lanes": 1-bit codes in "lanes" tiles.
+FORMS = FMTS + ["binary:lanes"]
+
+
+def _form(form):
+    """(format, tile order) of a FORMS entry."""
+    fmt, _, tiles = form.partition(":")
+    return fmt, tiles or "vnni"
+
+
 MS = (1, 7, 33, 100, 1000)
 KS = (1, 16, 33, 257, 4097)
-# 1: the one-token kernels (for 1-bit codes on "avx512", the lookup tables;
-# on "avx512+nolut1", masking); 5 = 4 + 1: a one-token tail after four
+# 1: the one-token kernels (for 1-bit codes the lookup tables where the ISA
+# has them for the tile order; with "+nolut1", masking); 5 = 4 + 1: a one-token tail after four
 # tokens, never with tables; 2, 7: two and three tokens.
 NS = (1, 2, 5, 7, 64)
 GROUP_SIZES = (0, 32, 128)
@@ -40,8 +50,8 @@ def _gen(*key):
 # Items ordered with the ISA innermost, so the cached scalar results of one
 # shape serve every ISA before the next shape is built.
 GRID = [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
-        for fmt in FMTS for M in MS for K in KS for gs in GROUP_SIZES for isa in KERNELS
-        if fmt == "binary" or "+nolut1" not in isa]
+        for fmt in FORMS for M in MS for K in KS for gs in GROUP_SIZES for isa in KERNELS
+        if fmt.startswith("binary") or "+nolut1" not in isa]
 # int8 and int4 tiles are 4 and 8 columns wide, so their groups can be far
 # narrower than any other format's, and not multiples of 16.
 GRID += [pytest.param(fmt, M, K, gs, isa, id=f"{fmt}-M{M}-K{K}-gs{gs}-{isa}")
@@ -86,13 +96,16 @@ def test_detected_isas_match_cpuinfo():
 
 
 @functools.lru_cache(maxsize=4)
-def _weight(fmt, M, K, gs):
-    g = _gen("w", fmt, M, K, gs)
+def _weight(form, M, K, gs):
+    g = _gen("w", form, M, K, gs)
+    fmt, tiles = _form(form)
     f = get_format(fmt)
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=g, dtype=torch.uint8)
     G = n_groups(normalize_group_size(gs, K, fmt), K)
     scales = torch.rand(M, G, generator=g) * 0.9 + 0.1
-    return codes, scales, ops.pack(codes, scales, fmt, gs)
+    blob = ops.pack(codes, scales, fmt, gs, tiles=tiles)
+    assert ops.packed_info(blob)["tiles"] == tiles
+    return codes, scales, blob
 
 
 def _group_view(t, K, gs):
@@ -176,7 +189,7 @@ def _linear_expected(fmt, M, K, gs):
 @pytest.mark.parametrize("fmt,M,K,gs,isa", GRID)
 def test_int_dots(fmt, M, K, gs, isa):
     _, _, blob = _weight(fmt, M, K, gs)
-    G = n_groups(normalize_group_size(gs, K, fmt), K)
+    G = n_groups(normalize_group_size(gs, K, _form(fmt)[0]), K)
     for N, (xq, xsum, scalar, exact) in _dots_expected(fmt, M, K, gs).items():
         with use_kernels(isa):
             dots = torch.ops.ulb.int_dots(blob, xq, xsum)
@@ -197,15 +210,16 @@ def test_linear_fp32_bit_identical(fmt, M, K, gs, isa):
         assert torch.equal(y, exact), f"N={N}: {isa} output is not the documented epilogue"
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-def test_int_dots_extremes_at_max_k(fmt):
+@pytest.mark.parametrize("form", FORMS)
+def test_int_dots_extremes_at_max_k(form):
     """Largest codes times -128 over K = 65536 in one group: the widest
     integer accumulation any kernel may do (the one-token AVX-512 path
-    keeps 64 x the sum)."""
+    keeps 64 x the sum; the AVX2 1-bit lookups sum 16 k-steps in 16 bits)."""
+    fmt, tiles = _form(form)
     f = get_format(fmt)
     M, K = 64, 65536
     for code in (f.max_code, 0):
-        blob = ops.pack(torch.full((M, K), code, dtype=torch.uint8), torch.ones(M, 1), fmt)
+        blob = ops.pack(torch.full((M, K), code, dtype=torch.uint8), torch.ones(M, 1), fmt, tiles=tiles)
         for N in (1, 2):
             xq = torch.full((N, K), -128, dtype=torch.int8)
             xsum = xq.to(torch.int32).sum(1, keepdim=True, dtype=torch.int32)
@@ -217,15 +231,16 @@ def test_int_dots_extremes_at_max_k(fmt):
 
 # ---- activations, dtypes and layouts ------------------------------------------------------------
 
-def _blob(gen, fmt="int2_sym", M=70, K=200, gs=32):
+def _blob(gen, form="int2_sym", M=70, K=200, gs=32):
+    fmt, tiles = _form(form)
     f = get_format(fmt)
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
     G = n_groups(normalize_group_size(gs, K, fmt), K)
-    return ops.pack(codes, torch.rand(M, G, generator=gen) + 0.05, fmt, gs)
+    return ops.pack(codes, torch.rand(M, G, generator=gen) + 0.05, fmt, gs, tiles=tiles)
 
 
 @pytest.mark.parametrize("isa", KERNELS)
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FORMS)
 def test_linear_bf16(gen, isa, fmt):
     M, K = 70, 200
     blob = _blob(gen, fmt, M, K)
@@ -282,9 +297,12 @@ def test_linear_bf16_output_rounding_ties_and_nan(gen, isa):
     assert torch.isnan(out[:, ~finite]).all()
 
 
-def test_linear_multithread_identical(gen):
+@pytest.mark.parametrize("form", ["int2", "binary:lanes"])
+def test_linear_multithread_identical(gen, form):
+    """One thread or two, the same bits (two threads share the 1-bit lookup
+    tables one of them builds)."""
     M, K = 1000, 257
-    blob = _blob(gen, "int2", M, K, 128)
+    blob = _blob(gen, form, M, K, 128)
     x = torch.randn(7, K, generator=gen)
     torch.set_num_threads(1)
     y1 = torch.ops.ulb.linear(x, blob, None, M)
@@ -297,7 +315,7 @@ def test_linear_multithread_identical(gen):
 @pytest.mark.parametrize("isa", KERNELS)
 def test_linear_non_contiguous(gen, isa):
     M, K = 70, 200
-    blob = _blob(gen, "binary", M, K)
+    blob = _blob(gen, "binary:lanes", M, K)
     big = torch.randn(12, 2 * K, generator=gen)
     views = {
         "transposed": torch.randn(K, 6, generator=gen).t(),      # strides (1, 6)
@@ -427,10 +445,11 @@ def test_non_finite_row_gives_nan_row(gen, isa, bad):
 
 # ---- packing ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("M,K,gs", [(1, 1, 0), (7, 33, 32), (33, 257, 32), (100, 4097, 128), (17, 100, 64),
                                     (5, 100, "block"), (9, 200, "3block")])
-def test_pack_unpack_round_trip(gen, fmt, M, K, gs):
+def test_pack_unpack_round_trip(gen, form, M, K, gs):
+    fmt, tiles = _form(form)
     f = get_format(fmt)
     if gs == "block":  # the smallest group the format takes
         gs = f.k_block
@@ -439,22 +458,43 @@ def test_pack_unpack_round_trip(gen, fmt, M, K, gs):
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
     G = n_groups(normalize_group_size(gs, K, fmt), K)
     scales = torch.randn(M, G, generator=gen) * torch.logspace(-20, 20, G)
-    blob = ops.pack(codes, scales, fmt, gs)
+    blob = ops.pack(codes, scales, fmt, gs, tiles=tiles)
     assert blob.dtype == torch.uint8 and blob.dim() == 1
     c2, s2 = ops.unpack(blob)
     assert c2.dtype == torch.uint8 and torch.equal(c2, codes)
     assert s2.dtype == torch.float32 and torch.equal(s2.view(torch.int32), scales.view(torch.int32))
     info = ops.packed_info(blob)
     assert info["format"] == fmt and info["out_features"] == M and info["in_features"] == K
+    assert info["tiles"] == tiles
     assert info["group_size"] == normalize_group_size(gs, K, fmt) and info["n_groups"] == G
     assert info["M_pad"] % 16 == 0 and M <= info["M_pad"] < M + 16
     assert info["K_pad"] % f.k_block == 0 and K <= info["K_pad"] < K + f.k_block
     # A strided (non-contiguous) code matrix packs the same.
     wide = torch.zeros(M, 2 * K, dtype=torch.uint8)
     wide[:, ::2] = codes
-    assert torch.equal(ops.pack(wide[:, ::2], scales, fmt, gs), blob)
+    assert torch.equal(ops.pack(wide[:, ::2], scales, fmt, gs, tiles=tiles), blob)
     # The blob size grows with the storage bits.
     assert blob.numel() >= 64 + M * K * f.bits // 8 + M * G * 4
+
+
+def test_tile_orders():
+    """The default order is the active ISA's preferred one; lanes is only for
+    1-bit formats; a name outside TILE_ORDERS is refused, in Python and by
+    the op itself."""
+    codes, scales = torch.ones(16, 64, dtype=torch.uint8), torch.ones(16, 1)
+    for isa in ISAS:
+        with runtime.use_isa(isa):
+            want = "lanes" if isa in ("avx2", "avxvnni") else "vnni"
+            assert ops.packed_info(ops.pack(codes, scales, "binary"))["tiles"] == want, isa
+            assert ops.packed_info(ops.pack(codes, scales, "ternary"))["tiles"] == "vnni", isa
+    with pytest.raises(ValueError, match="lanes tile order is for 1-bit formats"):
+        ops.pack(codes, scales, "int2", tiles="lanes")
+    with pytest.raises(ValueError, match="tiles must be one of"):
+        ops.pack(codes, scales, "binary", tiles="rows")
+    with pytest.raises(RuntimeError, match="tile order 1 is not offered for format ternary"):
+        torch.ops.ulb.pack(codes, scales, get_format("ternary").id, 0, 1)
+    with pytest.raises(RuntimeError, match="tile order 7 is not offered"):
+        torch.ops.ulb.pack(codes, scales, get_format("binary").id, 0, 7)
 
 
 def test_ternary_code_3_rejected():

@@ -82,9 +82,19 @@ int ulb_lut1_enabled(void) {
     return atomic_load(&lut1_on);
 }
 
-int ulb_lut1_available(ulb_isa isa) {
+/* AVX-512 VBMI's lookups, over VNNI tiles. */
+static int lut1_vnni_available(ulb_isa isa) {
 #if defined(__x86_64__)
     return isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
+int ulb_lut1_available(ulb_isa isa) {
+#if defined(__x86_64__)
+    return ulb_isa_supported(isa) && (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512);
 #else
     (void)isa;
     return 0;
@@ -95,8 +105,8 @@ ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa) {
 #if defined(__x86_64__)
     if (w->bits != 1) return NULL;
     if (w->tiles == ULB_TILES_LANES)
-        return isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512 ? ulb_lut1_lanes_build_avx2 : NULL;
-    if (ulb_lut1_available(isa)) return ulb_lut1_build_avx512;
+        return ulb_lut1_available(isa) ? ulb_lut1_lanes_build_avx2 : NULL;
+    if (lut1_vnni_available(isa)) return ulb_lut1_build_avx512;
 #endif
     (void)w;
     (void)isa;

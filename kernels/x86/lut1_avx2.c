@@ -1,23 +1,27 @@
 /* One-token 1-bit GEMV by table lookup under AVX2 (vpshufb), after T-MAC,
  * over tiles in the LANES order (layout.h): byte 16b + l of a tile holds, in
  * its low nibble, the codes of row l at columns b, 4 + b, 8 + b, 12 + b and
- * in its high nibble those at 16 + b, ..., 28 + b. A 128-bit lane is one byte
- * slot b of all 16 rows, so one 16-entry table per lane and nibble gives each
- * row's partial dot product over 4 columns. Masking fields of VNNI tiles
- * takes 25 vector operations per 32 bytes of codes; this takes 15, and runs
- * 1.5-1.7x faster in cache and from DRAM on Zen 3 (benchmarks/README.md).
+ * in its high nibble those at 16 + b, ..., 28 + b. A 128-bit lane is byte
+ * slot b of all 16 rows, so one 16-entry table per lane and nibble gives
+ * each row's partial dot product over 4 columns. Masking fields of VNNI
+ * tiles takes 50 vector operations per 64-byte tile and k-step; this takes
+ * 26: on Zen 3 in cache 23.1-23.6 GB/s of codes against 12.7, from DRAM
+ * 1.25-1.45x (benchmarks/README.md).
  *
  * Tables, per token and k-step ks (32 columns), ULB_LUT1_STEP_BYTES bytes:
  * eight 32-byte vectors T[h][f][kind] at 32 (4h + 2f + kind), whose lane j
  * serves byte slot b = 2h + j (the 32-byte half h of a tile) and nibble f:
- *   L entry n = sum_{i<4} bit_i(n) * (x[32ks + 16f + 4i + b] & 15)   in [0, 60]
- *   H entry n = sum_{i<4} bit_i(n) * (x[32ks + 16f + 4i + b] >> 4)   in [-32, 28]
- * (>> arithmetic), so L + 16 H is the exact dot of nibble n with its four
- * activations. The two nibbles' lookups add in a byte (L in [0, 120], H in
- * [-64, 56]), vpmaddubsw by [1, 16] makes L + 16 H of each row in 16 bits
- * and both halves of a tile sum into the same row, 16 columns: at most
- * 16 * 128 = 2048 in magnitude a k-step, so 16 k-steps stay exact in 16 bits
- * (-32768 is the floor). Exact, so bit for bit the reference. */
+ *   L entry n = sum_{i<4} bit_i(n) * (x[32ks + 16f + 4i + b] & 15)        in [0, 60]
+ *   H entry n = sum_{i<4} bit_i(n) * (x[32ks + 16f + 4i + b] >> 4) + 32   in [0, 60]
+ * (>> arithmetic), so L + 16 (H - 32) is the exact dot of nibble n with its
+ * four activations. The four lookups of a row's byte position (two nibbles,
+ * two halves of the tile: 16 columns) add in unsigned bytes, at most 240, so
+ * vpmaddubsw of (L, H) pairs by [1, 16] makes L + 16 H in [0, 4080] per row
+ * and lane; 16 k-steps sum to at most 65280 in unsigned 16 bits, widened
+ * with the bias taken off. Exact, so bit for bit the reference. Looping k-step by k-step
+ * over the tiles, each k-step's tables loaded once, ran 1.10x faster in
+ * cache than tile by tile over a chunk; adding in bytes across the halves
+ * (not in 16 bits) another 1.12x. */
 #pragma GCC target("avx2")
 #include <immintrin.h>
 #include <string.h>
