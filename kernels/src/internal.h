@@ -104,8 +104,9 @@ typedef void (*ulb_panel_fn)(const ulb_weight *w, int64_t tile0, int ntiles,
 #define ULB_PANEL_PAIR 2
 typedef void (*ulb_panel_pair_fn)(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
                                   float *facc_q);
-/* The pair kernel of `isa` for `bits`-bit codes, or NULL. */
-ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, int bits);
+/* The pair kernel of `isa` for w, or NULL; lut1: whether the call has
+ * 1-bit lookup tables. */
+ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1);
 
 /* Defines the ulb_panel_fn NAME of a SIMD file that has compiled one static
  * panel_1bit .. panel_8bit per code width: it picks by w->bits. */
@@ -195,6 +196,10 @@ void ulb_lut1_lanes_build_ref(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_lanes_build_avx2(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_lanes_group_avx2(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,
                                int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc);
+/* The same through two full panels in lockstep (see ulb_panel_pair_fn). */
+void ulb_lut1_lanes_pair_avx2(const uint8_t *codes_p, const uint8_t *codes_q, int64_t ks0, int64_t ks1,
+                              const uint8_t *lut, int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc_p,
+                              int32_t *acc_q);
 /* The table builder for one token on w under `isa`, or NULL where no lookup
  * kernel serves (ulb_lut1_enabled aside). */
 ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa);

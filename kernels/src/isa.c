@@ -125,12 +125,15 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     }
 }
 
-ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, int bits) {
+ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1) {
 #if defined(__x86_64__)
-    if (isa == ULB_ISA_AVX2 && bits != 1) return ulb_panel_pair_avx2;
+    if (isa == ULB_ISA_AVX2 && w->bits != 1) return ulb_panel_pair_avx2;
+    /* 1-bit: the AVX2 lookups over LANES tiles, which serve those blobs under AVX-512 too. */
+    if (w->bits == 1 && lut1 && w->tiles == ULB_TILES_LANES) return ulb_panel_pair_avx2;
 #endif
     (void)isa;
-    (void)bits;
+    (void)w;
+    (void)lut1;
     return NULL;
 }
 

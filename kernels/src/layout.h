@@ -10,9 +10,9 @@
  * (one field, the byte itself).
  *
  * That is the VNNI tile order (ulb_tiles). 1-bit codes may instead take the
- * LANES order: byte 16b + l holds the same fields, so each 128-bit lane holds
- * byte slot b of all 16 rows and one 16-entry table lookup serves the lane
- * (x86/lut1_avx2.c); a byte transpose turns it into the VNNI order.
+ * LANES order: the same bytes placed so that each 128-bit lane holds byte
+ * slot b of all 16 rows (ulb_tile_byte) and one 16-entry table lookup serves
+ * the lane (x86/lut1_avx2.c); a byte transpose turns it into the VNNI order.
  *
  * Rows are padded to 16 and K to the tile width. Rows are grouped in panels
  * of 64 (4 tiles; the last panel may hold fewer), and each panel is one
@@ -75,8 +75,12 @@ typedef struct {
     int64_t M_pad, ksteps, gsteps, n_groups;
 } ulb_layout;
 
-/* Byte of row l and byte slot b inside a tile of order `tiles`. */
-static inline int ulb_tile_byte(int tiles, int l, int b) { return tiles ? ULB_TILE * b + l : 4 * l + b; }
+/* Byte of row l and byte slot b inside a tile of order `tiles`. LANES: lane
+ * b, its rows rotated by 8 in odd lanes, so that unpacking the low (high)
+ * halves of two lanes gives 16 different rows (x86/lut1_avx2.c). */
+static inline int ulb_tile_byte(int tiles, int l, int b) {
+    return tiles ? ULB_TILE * b + l : 4 * l + b;
+}
 
 /* Byte offset of the scale of row m, group g, inside the panel area. */
 static inline int64_t ulb_scale_pos(const ulb_layout *L, int64_t m, int64_t g) {

@@ -40,10 +40,15 @@ static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, 
  * one token, and panels long enough. 2-bit on Zen 3 (benchmarks/c/ab_builds.sh):
  * 9 KiB panels (K = 576) ran 0.92-0.96x with pairs, 24 KiB (K = 1536)
  * 0.99-1.03x, 32 KiB and more (K >= 2048) 1.02-1.07x; at K = 4096 int4 1.31-1.36x and
- * int8 1.30x (1 thread) / 1.13x (2), 1.13x at 1024x2048 on 2. */
+ * int8 1.30x (1 thread) / 1.13x (2), 1.13x at 1024x2048 on 2. The 1-bit
+ * lookups: one thread 1.03-1.09x from 16 KiB panels (K = 2048) on; two
+ * threads 0.95x on 16 KiB panels (1024x2048), 0.99-1.04x (2048x2048),
+ * 1.02x on 32 KiB (4096x4096), so from 32 KiB there. */
 #define PAIR_MIN_PANEL_BYTES (16 << 10)
-static int use_pairs(const ulb_weight *w, int64_t N) {
-    return N == 1 && ulb_panel_offset(w->ksteps, w->n_groups, 1) >= PAIR_MIN_PANEL_BYTES;
+static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
+    const int64_t panel = ulb_panel_offset(w->ksteps, w->n_groups, 1);
+    return N == 1 && panel >= PAIR_MIN_PANEL_BYTES &&
+           (w->bits != 1 || nthreads == 1 || panel >= 2 * PAIR_MIN_PANEL_BYTES);
 }
 
 /* Scratch for the int8 activations of N tokens, and with lut1_build the
@@ -215,8 +220,9 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     if (st != ULB_OK) return st;
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
+    const ulb_panel_pair_fn pair = use_pairs(&w, N, nthreads) ? ulb_panel_pair_for(isa, &w, lut1_build != NULL) : NULL;
     linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
-                      use_pairs(&w, N) ? ulb_panel_pair_for(isa, w.bits) : NULL, ulb_store_for_isa(isa),
+                      pair, ulb_store_for_isa(isa),
                       {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;

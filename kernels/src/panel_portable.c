@@ -91,7 +91,8 @@ void ulb_panel_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ul
         for (int j = 0; j < nb; j++) {
             int32_t lanes[ULB_PANEL_TILES][LANES];
             memset(lanes, 0, sizeof lanes);
-            group_lanes_of_width(codes, ks1 - ks0, ntiles, w->bits, w->tiles, a->xq + (n0 + j) * a->ldq + ks0 * tk, lanes);
+            group_lanes_of_width(codes, ks1 - ks0, ntiles, w->bits, w->tiles, a->xq + (n0 + j) * a->ldq + ks0 * tk,
+                                 lanes);
             const int32_t xsum = a->xsum[(n0 + j) * w->n_groups + g];
             for (int r = 0; r < ntiles * ULB_TILE; r++) {
                 const int32_t *l4 = &lanes[r / ULB_TILE][4 * (r % ULB_TILE)];

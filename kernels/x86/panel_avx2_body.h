@@ -50,7 +50,8 @@ ALWAYS_INLINE __m256i tile_half(const uint8_t *tile, int h, const int lanes) {
     if (!lanes) return _mm256_loadu_si256((const __m256i *)(tile + 32 * h));
     const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10,
                                            3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    const __m256i s01 = _mm256_loadu_si256((const __m256i *)tile), s23 = _mm256_loadu_si256((const __m256i *)(tile + 32));
+    const __m256i s01 = _mm256_loadu_si256((const __m256i *)tile);
+    const __m256i s23 = _mm256_loadu_si256((const __m256i *)(tile + 32));
     const __m256i pairs = h ? _mm256_unpackhi_epi8(s01, s23) : _mm256_unpacklo_epi8(s01, s23);
     return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(pairs, 0xD8), order);
 }
@@ -216,12 +217,19 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
         /* One token with tables: a LANES blob (the tables of VNNI tiles are
          * AVX-512's, whose kernel takes them). */
         if (bits == 1 && nb == 1 && a->lut1) {
-            int32_t dot1[ULB_PANEL_ROWS] __attribute__((aligned(32)));
-            ulb_lut1_lanes_group_avx2(codes[0], ks0, ks1, tc, a->lut1, pf_dist, a->prefetch_end, dot1);
+            int32_t dot1[ULB_PANEL_PAIR][ULB_PANEL_ROWS] __attribute__((aligned(32)));
+            if (np == 2)
+                ulb_lut1_lanes_pair_avx2(codes[0], codes[1], ks0, ks1, a->lut1, pf_dist, a->prefetch_end, dot1[0],
+                                         dot1[1]);
+            else
+                ulb_lut1_lanes_group_avx2(codes[0], ks0, ks1, tc, a->lut1, pf_dist, a->prefetch_end, dot1[0]);
+#pragma GCC unroll 2
+            for (int q = 0; q < np; q++)
 #pragma GCC unroll 4
-            for (int t = 0; t < tc; t++)
-                for (int h = 0; h < 2; h++) acc[0][t][h] = _mm256_load_si256((const __m256i *)(dot1 + 16 * t + 8 * h));
-        } else if (bits == 1 && nb == 1 && !ULB_AVX2_VNNI)
+                for (int t = 0; t < tc; t++)
+                    for (int h = 0; h < 2; h++)
+                        acc[q][t][h] = _mm256_load_si256((const __m256i *)(dot1[q] + 16 * t + 8 * h));
+        } else if (bits == 1 && nb == 1 && np == 1 && !ULB_AVX2_VNNI)
             one_token_1bit(codes[0], ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc[0], lanes);
         else if ((bits == 2 || bits == 4) && nb == 1 && !ULB_AVX2_VNNI)
             one_token_fields(codes, np, ks0, ks1, tc, x[0], pf_dist, a->prefetch_end, acc, bits);
@@ -351,8 +359,9 @@ static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
 }
 
 #if !ULB_AVX2_VNNI
-/* ulb_panel_pair_fn for 2-, 4- and 8-bit codes (tiles_body with np = 2),
- * picked by w->bits; isa.c offers it for no other width. */
+/* ulb_panel_pair_fn for 2-, 4- and 8-bit codes, and for 1-bit codes in
+ * LANES tiles with lookup tables (tiles_body with np = 2), picked by w->bits;
+ * isa.c offers it for nothing else. */
 #define ULB_PAIR_BITS(BITS)                                                                        \
     case BITS:                                                                                     \
         if (a->prefetch_dist)                                                                      \
@@ -364,7 +373,7 @@ void ulb_panel_pair_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_ac
                          float *facc_q) {
     const int64_t ps[ULB_PANEL_PAIR] = {p, q};
     float *const fs[ULB_PANEL_PAIR] = {facc_p, facc_q};
-    switch (w->bits) { ULB_PAIR_BITS(2) ULB_PAIR_BITS(4) ULB_PAIR_BITS(8) }
+    switch (w->bits) { ULB_PAIR_BITS(1) ULB_PAIR_BITS(2) ULB_PAIR_BITS(4) ULB_PAIR_BITS(8) }
 }
 #endif
 

@@ -288,8 +288,8 @@ static int check_linear_variants(int fmt, int tiles, int64_t M, int64_t K, int64
         for (int y_dt = 0; y_dt < 2; y_dt++)
             for (int b = 0; b < 3; b++) {
                 const int layout = (*turn)++ % X_LAYOUTS;
-                fails += check_linear(fmt, tiles, M, K, gs, N, (ulb_dtype)x_dt, layout, b != 0, b == 2 ? ULB_DT_BF16 : ULB_DT_F32,
-                                      (ulb_dtype)y_dt);
+                fails += check_linear(fmt, tiles, M, K, gs, N, (ulb_dtype)x_dt, layout, b != 0,
+                                      b == 2 ? ULB_DT_BF16 : ULB_DT_F32, (ulb_dtype)y_dt);
                 (*n)++;
             }
     return fails;
