@@ -151,6 +151,18 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
   return out;
 }
 
+Tensor retile(Tensor packed, int64_t tiles) {
+  const Packed p = check_packed(packed, "retile");
+  const ulb_format_info *fi = ulb_format_get(p.h.format);
+  STD_TORCH_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI || (tiles == ULB_TILES_LANES && fi->bits == 1),
+                  "ulb.retile: tile order ", tiles, " is not offered for format ", fi->name,
+                  " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
+  Tensor out = new_tensor({p.nbytes}, kU8);
+  check_ok(ulb_retile(p.blob, p.nbytes, static_cast<int>(tiles), static_cast<uint8_t *>(out.mutable_data_ptr())),
+           "retile");
+  return out;
+}
+
 std::tuple<Tensor, Tensor> unpack(Tensor packed) {
   const Packed p = check_packed(packed, "unpack");
   Tensor codes = new_tensor({p.h.M, p.h.K}, kU8);
@@ -303,6 +315,7 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
 STABLE_TORCH_LIBRARY(ulb, m) {
   m.def("pack(Tensor codes, Tensor scales, int format, int group_size, int tiles=-1) -> Tensor");
   m.def("unpack(Tensor packed) -> (Tensor, Tensor)");
+  m.def("retile(Tensor packed, int tiles=-1) -> Tensor");
   m.def("packed_info(Tensor packed) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor packed) -> (Tensor, Tensor, Tensor)");
@@ -312,6 +325,7 @@ STABLE_TORCH_LIBRARY(ulb, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
   m.impl("pack", TORCH_BOX(&pack));
+  m.impl("retile", TORCH_BOX(&retile));
   m.impl("unpack", TORCH_BOX(&unpack));
   m.impl("packed_info", TORCH_BOX(&packed_info));
   m.impl("linear", TORCH_BOX(&linear));

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ulbtorch
+from ulbtorch import ops, runtime
 from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
 
 transformers = pytest.importorskip("transformers")
@@ -205,6 +206,25 @@ def test_save_load_reproduces_logits(tmp_path, bits, group_size):
         assert type(a) is type(b) and a.format == b.format and a.group_size == b.group_size
         assert torch.equal(a.packed, b.packed)
     assert type(loaded.lm_head) is nn.Linear and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_load_quantized_puts_1bit_tiles_in_this_cpus_order(tmp_path):
+    """A 1-bit checkpoint packed where the other tile order was preferred
+    loads into this CPU's order, with the same codes and the same logits."""
+    with runtime.use_isa("portable"):  # which packs 1-bit codes in vnni tiles
+        model = ulbtorch.quantize_(tiny_llama(seed=0), bits=1, group_size=32)
+    names = lowbit_names(model)
+    assert {ops.packed_info(model.get_submodule(n).packed)["tiles"] for n in names} == {"vnni"}
+    ulbtorch.save_quantized(model, str(tmp_path))
+    want_tiles = ops.packed_info(ops.pack(torch.ones(16, 32, dtype=torch.uint8), torch.ones(16, 1), "binary"))["tiles"]
+    loaded = ulbtorch.load_quantized(tiny_llama(seed=123), str(tmp_path))
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    for n in names:
+        a, b = model.get_submodule(n), loaded.get_submodule(n)
+        assert ops.packed_info(b.packed)["tiles"] == want_tiles
+        assert all(torch.equal(u, v) for u, v in zip(ops.unpack(a.packed), ops.unpack(b.packed)))
 
 
 def test_torch_compile_fullgraph():

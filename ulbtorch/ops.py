@@ -76,6 +76,17 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
                               -1 if tiles is None else TILE_ORDERS.index(tiles))
 
 
+def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:
+    """The same weight with its tiles in order `tiles` ("vnni", "lanes" for
+    1-bit formats, or None: the active ISA's preferred order), as a new blob
+    (a byte permutation of each tile). For blobs packed on a CPU that
+    preferred the other order; load_quantized applies it."""
+    _check_packed(packed)
+    if tiles is not None and tiles not in TILE_ORDERS:
+        raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
+    return torch.ops.ulb.retile(packed.cpu(), -1 if tiles is None else TILE_ORDERS.index(tiles))
+
+
 def packed_nbytes(format: str | Format, out_features: int, in_features: int, group_size: int = 0) -> int:
     """Size of the blob ulb.pack makes for these parameters."""
     from .runtime import _lib
@@ -169,6 +180,11 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _pack_fake(codes, scales, format, group_size, tiles=-1):
     return codes.new_empty((packed_nbytes(FORMATS_BY_ID[format], codes.shape[0], codes.shape[1], group_size),),
                            dtype=torch.uint8)
+
+
+@torch.library.register_fake("ulb::retile")
+def _retile_fake(packed, tiles=-1):
+    return torch.empty_like(packed)
 
 
 @torch.library.register_fake("ulb::unpack")

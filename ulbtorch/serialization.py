@@ -11,6 +11,8 @@ import os
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from . import ops
+from .formats import get_format
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
 
 MANIFEST = "ulbtorch.json"
@@ -38,7 +40,10 @@ def save_quantized(model: nn.Module, directory: str) -> None:
 
 def load_quantized(model: nn.Module, directory: str) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
-    load all weights. `model` is the float architecture (e.g. from_config)."""
+    load all weights. `model` is the float architecture (e.g. from_config).
+    1-bit weights are put in the tile order this CPU's kernels read fastest
+    (ops.retile), so their bytes may differ from the saved ones; the weights
+    are the same."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: not a directory written by ulbtorch.save_quantized")
@@ -67,6 +72,9 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    for layer in model.modules():  # 1-bit tiles in this CPU's order, whatever CPU packed them
+        if isinstance(layer, LowBitLinear) and get_format(layer.format).bits == 1 and layer.packed.is_cpu:
+            layer.packed = ops.retile(layer.packed)
     gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
     if gemv:
         bf16_gemv_(model, include=[glob.escape(n) for n in gemv])  # names, not patterns

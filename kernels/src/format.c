@@ -1,6 +1,7 @@
 /* Formats, the packed blob (header, panels of scales and codes, padding),
  * packing and unpacking. */
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "internal.h"
@@ -168,6 +169,39 @@ ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
     w->ksteps = h.K_pad / ulb_tile_k(fi->bits);
     w->gsteps = h.group_size / ulb_tile_k(fi->bits);
     w->panels = blob + ULB_HEADER_BYTES;
+    return ULB_OK;
+}
+
+ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *out) {
+    ulb_weight w;
+    ulb_status st = ulb_weight_view(blob, nbytes, &w);
+    if (st != ULB_OK) return st;
+    if (!out || (out < blob + nbytes && blob < out + nbytes)) return ULB_ERR_SHAPE;
+    ulb_header h;
+    memcpy(&h, blob, sizeof h);
+    if (tiles == ULB_TILES_PREFERRED) tiles = ulb_tiles_preferred(h.format);
+    blob_geometry g;
+    const int64_t gs_arg = h.group_size >= h.K_pad ? 0 : h.group_size;
+    st = geometry(h.format, tiles, h.M, h.K, gs_arg, &g);
+    if (st != ULB_OK) return st;
+    memcpy(out, blob, (size_t)nbytes);
+    out[offsetof(ulb_header, tiles)] = (uint8_t)tiles;
+    if (tiles == w.tiles) return ULB_OK;
+    /* Every tile of every group of every panel, in stream order. */
+    for (int64_t p = 0; p < ulb_weight_npanels(&w); p++) {
+        const int nt = ulb_panel_ntiles(w.M_pad, p);
+        for (int64_t gi = 0; gi < w.n_groups; gi++) {
+            const int64_t steps = gi + 1 < w.n_groups ? w.gsteps : w.ksteps - gi * w.gsteps;
+            const int64_t codes = ULB_HEADER_BYTES + ulb_panel_offset(w.ksteps, w.n_groups, p) +
+                                  ulb_group_offset(nt, w.gsteps, gi) + nt * ULB_TILE_SCALE_BYTES;
+            for (int64_t t = 0; t < steps * nt; t++) {
+                const uint8_t *src = blob + codes + t * ULB_TILE_BYTES;
+                uint8_t *dst = out + codes + t * ULB_TILE_BYTES;
+                for (int l = 0; l < ULB_TILE; l++)
+                    for (int b = 0; b < 4; b++) dst[ulb_tile_byte(tiles, l, b)] = src[ulb_tile_byte(w.tiles, l, b)];
+            }
+        }
+    }
     return ULB_OK;
 }
 

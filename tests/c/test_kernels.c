@@ -387,6 +387,29 @@ static int check_tile_orders(int *n) {
     fails += ulb_blob_header(blob, nb, &(ulb_header){0}) != ULB_ERR_BLOB;
     blob[7] = 1, blob[6] = ULB_FMT_INT2;
     fails += ulb_blob_header(blob, nb, &(ulb_header){0}) != ULB_ERR_BLOB;
+    /* ulb_retile: the blob ulb_pack_tiles makes in the other order, both ways, groups and partial panels. */
+    {
+        const int64_t M2 = 70, K2 = 100, gs = 64, nb2 = ulb_packed_nbytes(ULB_FMT_BINARY, M2, K2, gs);
+        uint8_t *c2 = malloc(M2 * K2), *in[2] = {malloc(nb2), malloc(nb2)}, *got = malloc(nb2);
+        float sc2[70 * 2];
+        for (int64_t i = 0; i < M2 * K2; i++) c2[i] = rnd() & 1;
+        for (int i = 0; i < 70 * 2; i++) sc2[i] = (float)(i + 1);
+        for (int tiles = 0; tiles < 2; tiles++)
+            fails += ulb_pack_tiles(ULB_FMT_BINARY, tiles, M2, K2, gs, c2, K2, sc2, in[tiles], nb2) != ULB_OK;
+        for (int from = 0; from < 2; from++)
+            for (int to = 0; to < 2; to++) {
+                memset(got, 0xa5, nb2);
+                fails += ulb_retile(in[from], nb2, to, got) != ULB_OK || memcmp(got, in[to], nb2) != 0;
+            }
+        fails += ulb_retile(in[0], nb2, ULB_TILES_LANES, in[0] + 64) != ULB_ERR_SHAPE; /* overlapping */
+        fails += ulb_retile(in[0], nb2, 2, got) != ULB_ERR_TILES;
+        const int64_t nb4 = ulb_packed_nbytes(ULB_FMT_INT2, M, K, 0);
+        uint8_t *i2 = malloc(nb4), *o2 = malloc(nb4);
+        fails += ulb_pack(ULB_FMT_INT2, M, K, 0, codes, K, sc, i2, nb4) != ULB_OK;
+        fails += ulb_retile(i2, nb4, ULB_TILES_LANES, o2) != ULB_ERR_TILES;
+        fails += ulb_retile(i2, nb4, ULB_TILES_PREFERRED, o2) != ULB_OK || memcmp(i2, o2, nb4) != 0;
+        free(c2); free(in[0]); free(in[1]); free(got); free(i2); free(o2);
+    }
     const ulb_isa was = ulb_isa_active();
     for (int isa = 0; isa < ULB_ISA_COUNT; isa++) {
         if (!ulb_isa_supported(isa)) continue;

@@ -116,6 +116,11 @@ ulb_tiles ulb_tiles_preferred(int format);
 /* Validates a blob and returns its header. */
 ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out);
 
+/* The blob in tile order `tiles` (a ulb_tiles or ULB_TILES_PREFERRED), into
+ * out (nbytes, not overlapping blob): a byte permutation of each tile, for
+ * blobs packed where another order was preferred. */
+ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *out);
+
 /* Inverse of ulb_pack: codes M x K (dense), scales M x n_groups. */
 ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float *scales);
 
