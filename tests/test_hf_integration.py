@@ -178,3 +178,23 @@ def test_tied_lm_head_is_not_packed_through_transformers(tmp_path):
             AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=UlbConfig(bits=2))
     assert type(model.lm_head) is LinearBF16 and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_prequantized_1bit_checkpoint_loads_in_this_cpus_tile_order(float_dir, tmp_path):
+    """A 1-bit checkpoint packed where "vnni" tiles were preferred loads in
+    this CPU's order (from_pretrained's post-load step retiles it), with the
+    same codes and logits."""
+    from ulbtorch import ops, runtime
+
+    with runtime.use_isa("portable"):  # prefers vnni tiles
+        model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=UlbConfig(bits=1))
+    old = model.model.layers[1].mlp.down_proj.packed
+    assert ops.packed_info(old)["tiles"] == "vnni"
+    ids = torch.randint(0, 300, (1, 7))
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    new = again.model.layers[1].mlp.down_proj.packed
+    assert ops.packed_info(new)["tiles"] == ops.preferred_tiles("binary")
+    assert all(torch.equal(a, b) for a, b in zip(ops.unpack(old), ops.unpack(new)))
+    assert torch.equal(again(ids).logits, logits)

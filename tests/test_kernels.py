@@ -212,18 +212,19 @@ def test_linear_fp32_bit_identical(fmt, M, K, gs, isa):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_int_dots_extremes_at_max_k(form):
-    """Largest codes times -128 over K = 65536 in one group: the widest
-    integer accumulation any kernel may do (the one-token AVX-512 path
-    keeps 64 x the sum; the AVX2 1-bit lookups sum 16 k-steps in 16 bits)."""
+    """Largest codes times -128 and times 127 over K = 65536 in one group:
+    the widest integer accumulation any kernel may do (the one-token AVX-512
+    path keeps 64 x the sum; the AVX2 1-bit lookups sum 16 k-steps in
+    unsigned 16 bits, which -128 leaves at 0 and 127 fills)."""
     fmt, tiles = _form(form)
     f = get_format(fmt)
     M, K = 64, 65536
     for code in (f.max_code, 0):
         blob = ops.pack(torch.full((M, K), code, dtype=torch.uint8), torch.ones(M, 1), fmt, tiles=tiles)
-        for N in (1, 2):
-            xq = torch.full((N, K), -128, dtype=torch.int8)
+        for N, x in ((1, -128), (2, -128), (1, 127), (2, 127)):
+            xq = torch.full((N, K), x, dtype=torch.int8)
             xsum = xq.to(torch.int32).sum(1, keepdim=True, dtype=torch.int32)
-            want = torch.full((N, M, 1), (f.level_a * code + f.level_b) * -128 * K, dtype=torch.int32)
+            want = torch.full((N, M, 1), (f.level_a * code + f.level_b) * x * K, dtype=torch.int32)
             for isa in KERNELS:
                 with use_kernels(isa):
                     assert torch.equal(torch.ops.ulb.int_dots(blob, xq, xsum), want), (isa, code, N)
@@ -297,19 +298,24 @@ def test_linear_bf16_output_rounding_ties_and_nan(gen, isa):
     assert torch.isnan(out[:, ~finite]).all()
 
 
-@pytest.mark.parametrize("form", ["int2", "binary:lanes"])
-def test_linear_multithread_identical(gen, form):
-    """One thread or two, the same bits (two threads share the 1-bit lookup
-    tables one of them builds)."""
-    M, K = 1000, 257
+@pytest.mark.parametrize("form,K,N", [("int2", 257, 7), ("binary:lanes", 257, 7), ("int2", 4097, 1),
+                                      ("binary:lanes", 4097, 1)])
+def test_linear_multithread_identical(gen, form, K, N):
+    """One thread or two, the same bits. One token at K = 4097 takes the
+    two-panel kernels (33 KiB 1-bit panels, 15 full ones and a partial one),
+    and for 1-bit codes the lookup tables one thread builds for both; with
+    them switched off, the masking kernel gives the same bits too."""
+    M = 1000
     blob = _blob(gen, form, M, K, 128)
-    x = torch.randn(7, K, generator=gen)
-    torch.set_num_threads(1)
-    y1 = torch.ops.ulb.linear(x, blob, None, M)
-    torch.set_num_threads(2)
-    y2 = torch.ops.ulb.linear(x, blob, None, M)
-    assert torch.equal(y1, y2)
-    assert torch.equal(y1, epilogue(blob, x))
+    x = torch.randn(N, K, generator=gen)
+    ys = []
+    for lut in ([True, False] if runtime.lut1_available(runtime.get_isa()) else [False]):
+        with runtime.use_lut1(lut):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                ys.append(torch.ops.ulb.linear(x, blob, None, M))
+    assert all(torch.equal(y, ys[0]) for y in ys)
+    assert torch.equal(ys[0], epilogue(blob, x))
 
 
 @pytest.mark.parametrize("isa", KERNELS)
@@ -495,6 +501,17 @@ def test_tile_orders():
         torch.ops.ulb.pack(codes, scales, get_format("ternary").id, 0, 1)
     with pytest.raises(RuntimeError, match="tile order 7 is not offered"):
         torch.ops.ulb.pack(codes, scales, get_format("binary").id, 0, 7)
+    # retile: both ways, preferred by default, lanes only for 1-bit blobs.
+    for fmt in ("binary", "ternary"):
+        blob = ops.pack(codes, scales, fmt, tiles="vnni")
+        assert ops.packed_info(ops.retile(blob))["tiles"] == ops.preferred_tiles(fmt)
+    lanes = ops.retile(ops.pack(codes, scales, "binary", tiles="vnni"), "lanes")
+    assert torch.equal(lanes, ops.pack(codes, scales, "binary", tiles="lanes"))
+    assert torch.equal(ops.retile(lanes, "vnni"), ops.pack(codes, scales, "binary", tiles="vnni"))
+    with pytest.raises(ValueError, match="lanes tile order is for 1-bit formats; this blob is 'int2'"):
+        ops.retile(ops.pack(codes, scales, "int2"), "lanes")
+    with pytest.raises(ValueError, match="tiles must be one of"):
+        ops.retile(lanes, "rows")
 
 
 def test_ternary_code_3_rejected():

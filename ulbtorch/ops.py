@@ -84,7 +84,17 @@ def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:
     _check_packed(packed)
     if tiles is not None and tiles not in TILE_ORDERS:
         raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
+    fmt = packed_info(packed)["format"]
+    if tiles == "lanes" and get_format(fmt).bits != 1:
+        raise ValueError(f"the lanes tile order is for 1-bit formats; this blob is {fmt!r}")
     return torch.ops.ulb.retile(packed.cpu(), -1 if tiles is None else TILE_ORDERS.index(tiles))
+
+
+def preferred_tiles(format: str | Format) -> str:
+    """The tile order ops.pack picks for `format` under the active ISA."""
+    from .runtime import _lib
+
+    return TILE_ORDERS[_lib.ulb_tiles_preferred(get_format(format).id)]
 
 
 def packed_nbytes(format: str | Format, out_features: int, in_features: int, group_size: int = 0) -> int:

@@ -30,6 +30,7 @@ _lib.ulb_packed_nbytes.restype = ctypes.c_int64
 _lib.ulb_packed_nbytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
 _lib.ulb_isa_active.restype = ctypes.c_int
 _lib.ulb_isa_supported.argtypes = [ctypes.c_int]
+_lib.ulb_tiles_preferred.argtypes = [ctypes.c_int]
 _lib.ulb_isa_set.argtypes = [ctypes.c_int]
 _lib.ulb_lut1_enable.argtypes = [ctypes.c_int]
 _lib.ulb_lut1_available.argtypes = [ctypes.c_int]

@@ -38,6 +38,14 @@ def save_quantized(model: nn.Module, directory: str) -> None:
         json.dump({"version": FORMAT_VERSION, "layers": layers, "bf16_gemv": gemv}, f, indent=1)
 
 
+def retile_for_this_cpu(layer: LowBitLinear) -> None:
+    """A 1-bit layer's tiles in the order this CPU's kernels read fastest."""
+    if layer.packed.is_cpu and get_format(layer.format).bits == 1:
+        want = ops.preferred_tiles(layer.format)
+        if ops.packed_info(layer.packed)["tiles"] != want:
+            layer.packed = ops.retile(layer.packed, want)
+
+
 def load_quantized(model: nn.Module, directory: str) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
     load all weights. `model` is the float architecture (e.g. from_config).
@@ -73,8 +81,8 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
         raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     for layer in model.modules():  # 1-bit tiles in this CPU's order, whatever CPU packed them
-        if isinstance(layer, LowBitLinear) and get_format(layer.format).bits == 1 and layer.packed.is_cpu:
-            layer.packed = ops.retile(layer.packed)
+        if isinstance(layer, LowBitLinear):
+            retile_for_this_cpu(layer)
     gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
     if gemv:
         bf16_gemv_(model, include=[glob.escape(n) for n in gemv])  # names, not patterns

@@ -190,8 +190,8 @@ void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int n
 /* The same over LANES tiles under AVX2 (x86/lut1_avx2.c), tables of the
  * same size in their own layout; kernels/ref/lut1_lanes_ref.c builds them in
  * plain C. ulb_lut1_lanes_group_avx2 writes acc[16t + r] like the AVX-512
- * one; every ISA's panel kernel takes it where acts.lut1 is set on a LANES
- * blob. */
+ * one; the AVX2 and AVX-VNNI panel kernels take it where acts.lut1 is set on
+ * a LANES blob (the AVX-512 one hands such blobs to them). */
 void ulb_lut1_lanes_build_ref(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_lanes_build_avx2(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_lanes_group_avx2(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,

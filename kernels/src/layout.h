@@ -75,9 +75,7 @@ typedef struct {
     int64_t M_pad, ksteps, gsteps, n_groups;
 } ulb_layout;
 
-/* Byte of row l and byte slot b inside a tile of order `tiles`. LANES: lane
- * b, its rows rotated by 8 in odd lanes, so that unpacking the low (high)
- * halves of two lanes gives 16 different rows (x86/lut1_avx2.c). */
+/* Byte of row l and byte slot b inside a tile of order `tiles`. */
 static inline int ulb_tile_byte(int tiles, int l, int b) {
     return tiles ? ULB_TILE * b + l : 4 * l + b;
 }

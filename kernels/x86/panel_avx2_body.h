@@ -1,5 +1,5 @@
 /* Body of the AVX2 microkernels (1-, 2-, 4- and 8-bit codes) for CPUs
- * without AVX-512, compiled twice: panel_avx2.c (ULB_AVX2_VNNI 0) and
+ * without AVX-512 (and for 1-bit LANES blobs on CPUs with it), compiled twice: panel_avx2.c (ULB_AVX2_VNNI 0) and
  * panel_avxvnni.c (ULB_AVX2_VNNI 1), each under its own target, which names
  * the entry point ULB_PANEL_AVX2_FN.
  * u8 codes x s8 activations with vpmaddubsw + vpmaddwd, or with AVX-VNNI's
@@ -171,7 +171,8 @@ ALWAYS_INLINE void one_token_fields(const uint8_t *const *codes, const int np, i
 
 /* Tiles [t0, t0 + tc) of panel ps[0] (nt tiles per k-step), nb tokens, into
  * faccs[0]; or, with np = 2, one token through full panels ps[0] and ps[1]
- * (2-, 4- or 8-bit codes), into faccs[0] and faccs[1]. One token takes all tiles
+ * (2-, 4- or 8-bit codes, or 1-bit LANES tiles with tables), into faccs[0]
+ * and faccs[1]. One token takes all tiles
  * of a k-step at once, reading a panel as the single stream it is; several
  * tokens take one tile at a time so their accumulators stay in the 16
  * registers. A job j is token j of the panel, or with np = 2 the token
@@ -216,7 +217,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
          * 1-bit codes, as few as the slots. */
         /* One token with tables: a LANES blob (the tables of VNNI tiles are
          * AVX-512's, whose kernel takes them). */
-        if (bits == 1 && nb == 1 && a->lut1) {
+        if (bits == 1 && nb == 1 && lanes && a->lut1) {
             int32_t dot1[ULB_PANEL_PAIR][ULB_PANEL_ROWS] __attribute__((aligned(32)));
             if (np == 2)
                 ulb_lut1_lanes_pair_avx2(codes[0], codes[1], ks0, ks1, a->lut1, pf_dist, a->prefetch_end, dot1[0],
@@ -362,18 +363,29 @@ static void panel_1bit(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
 /* ulb_panel_pair_fn for 2-, 4- and 8-bit codes, and for 1-bit codes in
  * LANES tiles with lookup tables (tiles_body with np = 2), picked by w->bits;
  * isa.c offers it for nothing else. */
-#define ULB_PAIR_BITS(BITS)                                                                        \
-    case BITS:                                                                                     \
-        if (a->prefetch_dist)                                                                      \
-            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 1, 0); \
-        else                                                                                       \
-            tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, BITS, 0, 0); \
-        return;
+ALWAYS_INLINE void pair_bits(const ulb_weight *w, const int64_t *ps, const ulb_acts *a, float *const *fs,
+                             const int bits, const int lanes) {
+    if (a->prefetch_dist)
+        tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, bits, 1, lanes);
+    else
+        tiles_body(w, ps, 2, ULB_PANEL_TILES, 0, ULB_PANEL_TILES, a, 0, fs, NULL, 1, bits, 0, lanes);
+}
+
 void ulb_panel_pair_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
                          float *facc_q) {
     const int64_t ps[ULB_PANEL_PAIR] = {p, q};
     float *const fs[ULB_PANEL_PAIR] = {facc_p, facc_q};
-    switch (w->bits) { ULB_PAIR_BITS(1) ULB_PAIR_BITS(2) ULB_PAIR_BITS(4) ULB_PAIR_BITS(8) }
+    switch (w->bits) {
+    case 1:
+        if (w->tiles == ULB_TILES_LANES)
+            pair_bits(w, ps, a, fs, 1, 1);
+        else
+            pair_bits(w, ps, a, fs, 1, 0);
+        return;
+    case 2: pair_bits(w, ps, a, fs, 2, 0); return;
+    case 4: pair_bits(w, ps, a, fs, 4, 0); return;
+    default: pair_bits(w, ps, a, fs, 8, 0); return;
+    }
 }
 #endif
 

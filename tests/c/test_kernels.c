@@ -19,8 +19,8 @@ static uint32_t rnd(void) { rng = rng * 1664525u + 1013904223u; return rng >> 8;
 
 /* The integer accumulators of every ISA against the scalar reference's, bit
  * for bit: N tokens of int8 activations drawn over the whole range (or all
- * -128 with extreme != 0, when every dot must also equal *want), zero beyond
- * K as the kernels pad them. */
+ * equal to extreme when it is not 0, when every dot must also equal *want),
+ * zero beyond K as the kernels pad them. */
 static int check_int_dots(const uint8_t *blob, int64_t nb, int64_t N, int extreme, const int64_t *want) {
     ulb_weight w;
     if (ulb_weight_view(blob, nb, &w)) { printf("bad blob\n"); return 1; }
@@ -29,7 +29,7 @@ static int check_int_dots(const uint8_t *blob, int64_t nb, int64_t N, int extrem
     int32_t *xsum = calloc(N * G, 4), *dots[ULB_ISA_COUNT];
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < w.K; k++) {
-            xq[n * w.K_pad + k] = extreme ? -128 : (int8_t)(rnd() % 256 - 128);
+            xq[n * w.K_pad + k] = extreme ? (int8_t)extreme : (int8_t)(rnd() % 256 - 128);
             xsum[n * G + k / group] += xq[n * w.K_pad + k];
         }
     int fails = 0;
@@ -64,8 +64,9 @@ static const struct form {
              {ULB_FMT_INT4, ULB_TILES_VNNI}};
 #define N_FORMS (int)(sizeof FORMS / sizeof FORMS[0])
 
-/* Largest codes times -128 over a long single group: the widest 16- and
- * 32-bit sums any kernel keeps, against the closed form too. */
+/* Largest codes times -128 and times 127 over a long single group: the
+ * widest 16- and 32-bit sums any kernel keeps (-128 zeroes the 1-bit lookup
+ * tables, 127 fills them), against the closed form too. */
 static int check_int_extremes(int fmt, int tiles, int64_t K, int64_t N) {
     const ulb_format_info *fi = ulb_format_get(fmt);
     const int64_t M = 16, nb = ulb_packed_nbytes(fmt, M, K, 0);
@@ -74,8 +75,10 @@ static int check_int_extremes(int fmt, int tiles, int64_t K, int64_t N) {
     memset(codes, fi->max_code, M * K);
     for (int64_t m = 0; m < M; m++) sc[m] = 1.0f;
     int fails = ulb_pack_tiles(fmt, tiles, M, K, 0, codes, K, sc, blob, nb) != ULB_OK;
-    const int64_t want = (int64_t)(fi->level_a * fi->max_code + fi->level_b) * -128 * K;
-    if (!fails) fails += check_int_dots(blob, nb, N, 1, &want);
+    for (int x = -128; x <= 127 && !fails; x += 255) {
+        const int64_t want = (int64_t)(fi->level_a * fi->max_code + fi->level_b) * x * K;
+        fails += check_int_dots(blob, nb, N, x, &want);
+    }
     free(codes); free(blob); free(sc);
     return fails;
 }

@@ -15,6 +15,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import patterns
 from ..quantize import LM_HEAD, QuantConfig, quantize_
+from ..serialization import retile_for_this_cpu
 
 QUANT_METHOD = "ulb"
 
@@ -101,6 +102,8 @@ class UlbHfQuantizer(HfQuantizer):
             why = isinstance(m, LowBitLinear) and m.packed_mismatch()
             if why:
                 raise ValueError(f"{name}: the checkpoint disagrees with its quantization_config: {why}")
+            if isinstance(m, LowBitLinear):
+                retile_for_this_cpu(m)  # packed on a CPU that preferred the other 1-bit tile order
         if self.quantization_config.bf16_gemv:
             bf16_gemv_(model)
         return model

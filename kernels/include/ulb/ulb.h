@@ -72,8 +72,9 @@ const ulb_format_info *ulb_format_get(int format);
  * VNNI: byte 4l + b of row l, so that a field masked in place is a VNNI4
  * operand; every width. LANES (1-bit codes only): byte 16b + l, so that a
  * 128-bit lane holds one byte of each row and table lookups (vpshufb) serve a
- * whole lane; the AVX2 one-token kernel looks codes up this way, every other
- * kernel turns such a tile into VNNI order in registers. */
+ * whole lane; the AVX2 one-token kernel looks codes up this way, the other
+ * SIMD kernels turn such a tile into VNNI order in registers (the portable
+ * one in a copy; the scalar reference reads codes through layout.h). */
 typedef enum { ULB_TILES_VNNI = 0, ULB_TILES_LANES = 1 } ulb_tiles;
 #define ULB_TILES_PREFERRED (-1)
 
