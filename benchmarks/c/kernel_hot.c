@@ -52,7 +52,8 @@ int main(int argc, char **argv) {
                         if (dt < best) best = dt;
                     }
                     printf("%-8s %-5s %-6s%-5s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
-                           ulb_format_get(fmt)->name, orders[f] ? "lanes" : "vnni", ulb_isa_name(isa), lut ? "+lut1" : "", nb, M * K * nb / best,
+                           ulb_format_get(fmt)->name, orders[f] ? "lanes" : "vnni", ulb_isa_name(isa),
+                           lut ? "+lut1" : "", nb, M * K * nb / best,
                            (nbytes - 64) / best, nb);
                 }
         }
