@@ -299,12 +299,13 @@ def test_linear_bf16_output_rounding_ties_and_nan(gen, isa):
 
 
 @pytest.mark.parametrize("form,K,N", [("int2", 257, 7), ("binary:lanes", 257, 7), ("int2", 4097, 1),
-                                      ("binary:lanes", 4097, 1)])
+                                      ("binary:lanes", 4097, 1), ("binary:lanes", 4097, 3)])
 def test_linear_multithread_identical(gen, form, K, N):
     """One thread or two, the same bits. One token at K = 4097 takes the
     two-panel kernels (33 KiB 1-bit panels, 15 full ones and a partial one),
-    and for 1-bit codes the lookup tables one thread builds for both; with
-    them switched off, the masking kernel gives the same bits too."""
+    and for 1-bit codes the lookup tables one thread builds for both (three
+    tokens: a table set each); with them switched off, the masking kernel
+    gives the same bits too."""
     M = 1000
     blob = _blob(gen, form, M, K, 128)
     x = torch.randn(N, K, generator=gen)

@@ -32,17 +32,19 @@ int main(int argc, char **argv) {
         int8_t *xq = ulb_aligned_alloc(ULB_NB_MAX * w.K_pad);
         int32_t xsum[ULB_NB_MAX] = {0};
         for (int64_t i = 0; i < ULB_NB_MAX * w.K_pad; i++) xq[i] = (int8_t)(rand() % 255 - 127);
-        uint8_t *lut1 = ulb_aligned_alloc(w.ksteps * ULB_LUT1_STEP_BYTES);
+        uint8_t *lut1 = ulb_aligned_alloc(ULB_NB_MAX * w.ksteps * ULB_LUT1_STEP_BYTES);
         float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
         for (int isa = ULB_ISA_AVX2; isa < ULB_ISA_COUNT; isa++) {
             if (!ulb_isa_supported(isa)) continue;
             ulb_panel_fn fn = ulb_panel_for_isa(isa);
             /* 1-bit one-token calls also with the lookup tables (ulb_lut1_enable). */
             const ulb_lut1_build_fn build = ulb_lut1_builder_for(&w, isa);
-            if (build) build(xq, w.ksteps, lut1);
+            for (int n = 0; build && n < ULB_NB_MAX; n++)
+                build(xq + n * w.K_pad, w.ksteps, lut1 + n * w.ksteps * ULB_LUT1_STEP_BYTES);
             const int luts = build ? 2 : 1;
             for (int lut = 0; lut < luts; lut++)
-                for (int nb = 1; nb <= (lut ? 1 : ULB_NB_MAX); nb *= 4) {
+                /* Several tokens take tables over LANES tiles only. */
+                for (int nb = 1; nb <= (lut && orders[f] == ULB_TILES_VNNI ? 1 : ULB_NB_MAX); nb *= 4) {
                     const ulb_acts a = ulb_acts_of(&w, xq, xsum, lut ? lut1 : NULL, 1);
                     double best = 1e30;
                     for (int rep = 0; rep < 200; rep++) {

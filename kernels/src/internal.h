@@ -182,6 +182,9 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
  * used unless disabled (ulb_lut1_enable). ulb_lut1_group_avx512 sums k-steps
  * [ks0, ks1) of one group whose codes start at `codes`. */
 #define ULB_LUT1_STEP_BYTES 256
+/* Tokens a call may take the LANES lookups for: their tables follow one
+ * another in acts.lut1, ksteps * ULB_LUT1_STEP_BYTES each (x86/lut1_avx2.c). */
+#define ULB_LUT1_MAX_TOKENS ULB_NB_MAX
 typedef void (*ulb_lut1_build_fn)(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_build_avx512(const int8_t *xq, int64_t ksteps, uint8_t *lut);
 void ulb_lut1_group_avx512(const uint8_t *codes, int64_t ks0, int64_t ks1, int nt, const uint8_t *lut,

@@ -27,12 +27,16 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-/* The table builder if a call takes a 1-bit lookup kernel (one token, not
- * disabled, see ulb.h), else NULL. The AVX-512 one serves one thread only:
- * with two the masking kernel streams better and the tables only add cache
- * traffic (0.67-0.90x cold with tables, benchmarks/c/ab_builds.sh). */
+/* The table builder if a call takes a 1-bit lookup kernel (not disabled,
+ * see ulb.h), else NULL. The AVX2 one over LANES tiles serves up to
+ * ULB_LUT1_MAX_TOKENS tokens (a table set each: more would outgrow L2); the
+ * AVX-512 one over VNNI tiles one token on one thread: with two the masking
+ * kernel streams better and the tables only add cache traffic (0.67-0.90x
+ * cold with tables, benchmarks/c/ab_builds.sh). */
 static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
-    if (N != 1 || !ulb_lut1_enabled() || (w->tiles == ULB_TILES_VNNI && nthreads > 1)) return NULL;
+    if (!ulb_lut1_enabled() || N > (w->tiles == ULB_TILES_LANES ? ULB_LUT1_MAX_TOKENS : 1) ||
+        (w->tiles == ULB_TILES_VNNI && nthreads > 1))
+        return NULL;
     return ulb_lut1_builder_for(w, isa);
 }
 
@@ -59,7 +63,7 @@ static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, 
     const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
     const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
-    const size_t lut_bytes = lut ? (size_t)(w->ksteps * ULB_LUT1_STEP_BYTES) : 0;
+    const size_t lut_bytes = lut ? (size_t)(N * w->ksteps * ULB_LUT1_STEP_BYTES) : 0;
     const size_t facc1_bytes = N == 1 ? (size_t)w->M_pad * sizeof(float) : 0;
     memset(q, 0, sizeof *q);
     q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes + lut_bytes + facc1_bytes);
@@ -80,15 +84,16 @@ typedef struct {
     int64_t ldx, incx;
 } act_input;
 
-/* Quantises rows [r0, r1) of x; the 1-bit tables too, which exist only for
- * one token. */
+/* Quantises rows [r0, r1) of x, and builds their 1-bit tables where the
+ * call has them. */
 static ulb_status acts_fill(const ulb_weight *w, int64_t r0, int64_t r1, const act_input *in, quantized_acts *q) {
     const size_t esize = in->dt == ULB_DT_F32 ? 4 : 2;
     const ulb_status st = ulb_quantize_act(r1 - r0, w->K, w->K_pad, w->gsteps * ulb_tile_k(w->bits),
                                            (const char *)in->x + (size_t)(r0 * in->ldx) * esize, in->dt, in->ldx,
                                            in->incx, q->xq + r0 * w->K_pad, q->xscale + r0,
                                            q->xsum + r0 * w->n_groups);
-    if (st == ULB_OK && q->acts.lut1) q->lut1_build(q->xq, w->ksteps, (uint8_t *)q->acts.lut1);
+    for (int64_t r = r0; st == ULB_OK && q->acts.lut1 && r < r1; r++)
+        q->lut1_build(q->xq + r * w->K_pad, w->ksteps, (uint8_t *)q->acts.lut1 + r * w->ksteps * ULB_LUT1_STEP_BYTES);
     return st;
 }
 
@@ -242,10 +247,11 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, 1, isa);
     const int lut = lut1_build != NULL;
     const size_t pd_bytes = (size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t);
-    int32_t *pd = ulb_aligned_alloc(pd_bytes + (lut ? (size_t)(w.ksteps * ULB_LUT1_STEP_BYTES) : 0));
+    int32_t *pd = ulb_aligned_alloc(pd_bytes + (lut ? (size_t)(N * w.ksteps * ULB_LUT1_STEP_BYTES) : 0));
     if (!pd) return ULB_ERR_NOMEM;
     uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
-    if (lut) lut1_build(xq, w.ksteps, lut1);
+    for (int64_t n = 0; lut && n < N; n++)
+        lut1_build(xq + n * w.K_pad, w.ksteps, lut1 + n * w.ksteps * ULB_LUT1_STEP_BYTES);
     const ulb_acts acts = ulb_acts_of(&w, xq, xsum, lut1, 1);
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {

@@ -219,11 +219,12 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
          * AVX-512's, whose kernel takes them). */
         if (bits == 1 && nb == 1 && lanes && a->lut1) {
             int32_t dot1[ULB_PANEL_PAIR][ULB_PANEL_ROWS] __attribute__((aligned(32)));
+            const uint8_t *lut = a->lut1 + n0 * w->ksteps * ULB_LUT1_STEP_BYTES; /* token n0's tables */
             if (np == 2)
-                ulb_lut1_lanes_pair_avx2(codes[0], codes[1], ks0, ks1, a->lut1, pf_dist, a->prefetch_end, dot1[0],
+                ulb_lut1_lanes_pair_avx2(codes[0], codes[1], ks0, ks1, lut, pf_dist, a->prefetch_end, dot1[0],
                                          dot1[1]);
             else
-                ulb_lut1_lanes_group_avx2(codes[0], ks0, ks1, tc, a->lut1, pf_dist, a->prefetch_end, dot1[0]);
+                ulb_lut1_lanes_group_avx2(codes[0], ks0, ks1, tc, lut, pf_dist, a->prefetch_end, dot1[0]);
 #pragma GCC unroll 2
             for (int q = 0; q < np; q++)
 #pragma GCC unroll 4
@@ -325,6 +326,22 @@ ALWAYS_INLINE void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, co
                               int nb, float *facc, int32_t *dots, const int bits, const int prefetch,
                               const int lanes) {
     const int64_t p = tile0 / ULB_PANEL_TILES;
+    if (nb > 1 && lanes && a->lut1) {
+        /* Several tokens with tables: one lookup pass each (the codes come
+         * from cache after the first), 26 operations per tile and token
+         * against ~36 for masking shared by four tokens. */
+        for (int j = 0; j < nb; j++) {
+            float *fj = facc + j * ULB_PANEL_ROWS;
+            int32_t *dj = dots ? dots + j * w->n_groups * ULB_PANEL_ROWS : NULL;
+            switch (ntiles) {
+            case 1: tiles_body(w, &p, 1, ntiles, 0, 1, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
+            case 2: tiles_body(w, &p, 1, ntiles, 0, 2, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
+            case 3: tiles_body(w, &p, 1, ntiles, 0, 3, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
+            default: tiles_body(w, &p, 1, ntiles, 0, 4, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
+            }
+        }
+        return;
+    }
     if (nb == 1) {
         switch (ntiles) {
             ULB_ONE_TOKEN(bits, prefetch, lanes, 1) ULB_ONE_TOKEN(bits, prefetch, lanes, 2)
