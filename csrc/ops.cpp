@@ -120,6 +120,14 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
   return Tensor(out);
 }
 
+// A tile order `op` may pass on for format fi (checked before it narrows to int).
+void check_tiles(const char *op, const ulb_format_info *fi, int64_t tiles) {
+  STD_TORCH_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI ||
+                      (tiles == ULB_TILES_LANES && fi->bits == 1),
+                  "ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name,
+                  " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
+}
+
 Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int64_t tiles) {
   const Meta mc(codes), ms(scales);
   check_cpu(mc, "pack", "codes");
@@ -131,9 +139,7 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
                   dtype_name(mc.dtype), " with ", mc.dim, " dims");
   STD_TORCH_CHECK(ms.dtype == kF32 && ms.dim == 2,
                   "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
-  STD_TORCH_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI || (tiles == ULB_TILES_LANES && fi->bits == 1),
-                  "ulb.pack: tile order ", tiles, " is not offered for format ", fi->name,
-                  " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
+  check_tiles("pack", fi, tiles);
   const int64_t M = mc.sizes[0], K = mc.sizes[1];
   const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
   if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
@@ -153,10 +159,7 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
 
 Tensor retile(Tensor packed, int64_t tiles) {
   const Packed p = check_packed(packed, "retile");
-  const ulb_format_info *fi = ulb_format_get(p.h.format);
-  STD_TORCH_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI || (tiles == ULB_TILES_LANES && fi->bits == 1),
-                  "ulb.retile: tile order ", tiles, " is not offered for format ", fi->name,
-                  " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
+  check_tiles("retile", ulb_format_get(p.h.format), tiles);
   Tensor out = new_tensor({p.nbytes}, kU8);
   check_ok(ulb_retile(p.blob, p.nbytes, static_cast<int>(tiles), static_cast<uint8_t *>(out.mutable_data_ptr())),
            "retile");

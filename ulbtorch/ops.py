@@ -45,6 +45,15 @@ def _check_packed(packed: torch.Tensor) -> None:
 TILE_ORDERS = ("vnni", "lanes")
 
 
+def _tiles_arg(tiles: str | None, fmt: Format, what: str) -> int:
+    """The ops' tile-order argument for `tiles` on format fmt (-1: preferred)."""
+    if tiles is not None and tiles not in TILE_ORDERS:
+        raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
+    if tiles == "lanes" and fmt.bits != 1:
+        raise ValueError(f"the lanes tile order is for 1-bit formats; {what}")
+    return -1 if tiles is None else TILE_ORDERS.index(tiles)
+
+
 def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_size: int | None = None,
          tiles: str | None = None) -> torch.Tensor:
     """Pack codes [M, K] (uint8) and scales [M, n_groups] into one blob.
@@ -52,10 +61,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
     tiles: "vnni", "lanes" (1-bit formats only), or None for the order whose
     kernels run fastest under the active ISA (lanes for 1-bit under AVX2)."""
     fmt = get_format(format)
-    if tiles is not None and tiles not in TILE_ORDERS:
-        raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
-    if tiles == "lanes" and fmt.bits != 1:
-        raise ValueError(f"the lanes tile order is for 1-bit formats; {fmt.name!r} has {fmt.bits}-bit codes")
+    tiles_arg = _tiles_arg(tiles, fmt, f"{fmt.name!r} has {fmt.bits}-bit codes")
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D [out_features, in_features], got shape {tuple(codes.shape)}")
     M, K = codes.shape
@@ -72,8 +78,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     if codes.numel() and int(codes.max()) > fmt.max_code:
         raise ValueError(f"codes exceed {fmt.max_code}, the largest code of format {fmt.name!r}")
-    return torch.ops.ulb.pack(codes.detach().cpu(), scales.cpu(), fmt.id, gs,
-                              -1 if tiles is None else TILE_ORDERS.index(tiles))
+    return torch.ops.ulb.pack(codes.detach().cpu(), scales.cpu(), fmt.id, gs, tiles_arg)
 
 
 def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:
@@ -81,13 +86,8 @@ def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:
     1-bit formats, or None: the active ISA's preferred order), as a new blob
     (a byte permutation of each tile). For blobs packed on a CPU that
     preferred the other order; load_quantized applies it."""
-    _check_packed(packed)
-    if tiles is not None and tiles not in TILE_ORDERS:
-        raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
-    fmt = packed_info(packed)["format"]
-    if tiles == "lanes" and get_format(fmt).bits != 1:
-        raise ValueError(f"the lanes tile order is for 1-bit formats; this blob is {fmt!r}")
-    return torch.ops.ulb.retile(packed.cpu(), -1 if tiles is None else TILE_ORDERS.index(tiles))
+    fmt = get_format(packed_info(packed)["format"])
+    return torch.ops.ulb.retile(packed.cpu(), _tiles_arg(tiles, fmt, f"this blob is {fmt.name!r}"))
 
 
 def preferred_tiles(format: str | Format) -> str:

@@ -156,8 +156,9 @@ def set_lut1(on: bool) -> None:
     """The 1-bit lookup-table kernels (after T-MAC), on by default; off, the
     masking kernels serve. Under AVX2, over "lanes" tiles (the default
     there), for calls of up to 4 tokens on any thread count: 1.8x faster in
-    cache, 1.3-1.4x from DRAM for one token, 2.7-3.2x for four. Under AVX-512 VBMI, over "vnni" tiles, one thread only: 1.26x
-    in cache, from DRAM trading places with the machine's state
+    cache, 1.3-1.4x from DRAM for one token, 2.7-3.2x for four. Under
+    AVX-512 VBMI, over "vnni" tiles, one token on one thread: 1.26x in cache,
+    from DRAM trading places with the machine's state
     (benchmarks/results/README.md). ULB_LUT1=0 in the environment turns them
     off at load."""
     if on and not lut1_available():

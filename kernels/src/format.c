@@ -57,11 +57,16 @@ typedef struct {
 /* After the panels: one line a kernel may read past its last tile. */
 #define ULB_TAIL_BYTES 64
 
+/* Whether `format` may be packed in tile order `tiles` (LANES: 1-bit only). */
+static int tiles_offered(const ulb_format_info *fi, int tiles) {
+    return tiles == ULB_TILES_VNNI || (tiles == ULB_TILES_LANES && fi->bits == 1);
+}
+
 static ulb_status geometry(int format, int tiles, int64_t M, int64_t K, int64_t group_size,
                            blob_geometry *g) {
     const ulb_format_info *fi = ulb_format_get(format);
     if (!fi) return ULB_ERR_FORMAT;
-    if (tiles != ULB_TILES_VNNI && !(tiles == ULB_TILES_LANES && fi->bits == 1)) return ULB_ERR_TILES;
+    if (!tiles_offered(fi, tiles)) return ULB_ERR_TILES;
     if (M <= 0 || K <= 0 || M > ULB_MAX_M || K > ULB_MAX_K) return ULB_ERR_SHAPE;
     g->M_pad = ulb_round_up(M, ULB_TILE);
     g->K_pad = ulb_round_up(K, ulb_tile_k(fi->bits));
@@ -177,13 +182,9 @@ ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *o
     ulb_status st = ulb_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
     if (!out || (out < blob + nbytes && blob < out + nbytes)) return ULB_ERR_SHAPE;
-    ulb_header h;
-    memcpy(&h, blob, sizeof h);
-    if (tiles == ULB_TILES_PREFERRED) tiles = ulb_tiles_preferred(h.format);
-    blob_geometry g;
-    const int64_t gs_arg = h.group_size >= h.K_pad ? 0 : h.group_size;
-    st = geometry(h.format, tiles, h.M, h.K, gs_arg, &g);
-    if (st != ULB_OK) return st;
+    const int format = blob[offsetof(ulb_header, format)];
+    if (tiles == ULB_TILES_PREFERRED) tiles = ulb_tiles_preferred(format);
+    if (!tiles_offered(ulb_format_get(format), tiles)) return ULB_ERR_TILES;
     memcpy(out, blob, (size_t)nbytes);
     out[offsetof(ulb_header, tiles)] = (uint8_t)tiles;
     if (tiles == w.tiles) return ULB_OK;
@@ -192,8 +193,7 @@ ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *o
         const int nt = ulb_panel_ntiles(w.M_pad, p);
         for (int64_t gi = 0; gi < w.n_groups; gi++) {
             const int64_t steps = gi + 1 < w.n_groups ? w.gsteps : w.ksteps - gi * w.gsteps;
-            const int64_t codes = ULB_HEADER_BYTES + ulb_panel_offset(w.ksteps, w.n_groups, p) +
-                                  ulb_group_offset(nt, w.gsteps, gi) + nt * ULB_TILE_SCALE_BYTES;
+            const int64_t codes = ulb_group_base(&w, p, nt, gi) + nt * ULB_TILE_SCALE_BYTES - blob;
             for (int64_t t = 0; t < steps * nt; t++) {
                 const uint8_t *src = blob + codes + t * ULB_TILE_BYTES;
                 uint8_t *dst = out + codes + t * ULB_TILE_BYTES;

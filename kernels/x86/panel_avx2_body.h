@@ -1,6 +1,6 @@
 /* Body of the AVX2 microkernels (1-, 2-, 4- and 8-bit codes) for CPUs
- * without AVX-512 (and for 1-bit LANES blobs on CPUs with it), compiled twice: panel_avx2.c (ULB_AVX2_VNNI 0) and
- * panel_avxvnni.c (ULB_AVX2_VNNI 1), each under its own target, which names
+ * without AVX-512 (and for 1-bit LANES blobs on CPUs with it), compiled
+ * twice: panel_avx2.c (ULB_AVX2_VNNI 0) and panel_avxvnni.c (ULB_AVX2_VNNI 1), each under its own target, which names
  * the entry point ULB_PANEL_AVX2_FN.
  * u8 codes x s8 activations with vpmaddubsw + vpmaddwd, or with AVX-VNNI's
  * vpdpbusd for the fields of 1-, 2- and 4-bit codes. One 16-row tile at a
@@ -172,10 +172,9 @@ ALWAYS_INLINE void one_token_fields(const uint8_t *const *codes, const int np, i
 /* Tiles [t0, t0 + tc) of panel ps[0] (nt tiles per k-step), nb tokens, into
  * faccs[0]; or, with np = 2, one token through full panels ps[0] and ps[1]
  * (2-, 4- or 8-bit codes, or 1-bit LANES tiles with tables), into faccs[0]
- * and faccs[1]. One token takes all tiles
- * of a k-step at once, reading a panel as the single stream it is; several
- * tokens take one tile at a time so their accumulators stay in the 16
- * registers. A job j is token j of the panel, or with np = 2 the token
+ * and faccs[1]. One token takes all tiles of a k-step at once, reading a
+ * panel as the single stream it is; several tokens take one tile at a time
+ * so their accumulators stay in the 16 registers. A job j is token j of the panel, or with np = 2 the token
  * through panel j: out and acc are per job. */
 ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int np, int nt, int t0, const int tc,
                               const ulb_acts *a, int64_t n0, float *const *faccs, int32_t *dots, const int nb,
@@ -313,6 +312,15 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
     case NT:                                                                                       \
         tiles_body(w, &p, 1, ntiles, 0, NT, a, n0, &facc, dots, 1, BITS, PF, LANES);               \
         return;
+
+/* Token n0 through all tiles of panel p. */
+ALWAYS_INLINE void one_token(const ulb_weight *w, int64_t p, int ntiles, const ulb_acts *a, int64_t n0, float *facc,
+                             int32_t *dots, const int bits, const int prefetch, const int lanes) {
+    switch (ntiles) {
+        ULB_ONE_TOKEN(bits, prefetch, lanes, 1) ULB_ONE_TOKEN(bits, prefetch, lanes, 2)
+        ULB_ONE_TOKEN(bits, prefetch, lanes, 3) ULB_ONE_TOKEN(bits, prefetch, lanes, 4)
+    }
+}
 #define ULB_TOKENS(BITS, PF, LANES, NB)                                                            \
     case NB:                                                                                       \
         for (int t = 0; t < ntiles; t++)                                                           \
@@ -326,27 +334,13 @@ ALWAYS_INLINE void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, co
                               int nb, float *facc, int32_t *dots, const int bits, const int prefetch,
                               const int lanes) {
     const int64_t p = tile0 / ULB_PANEL_TILES;
-    if (nb > 1 && lanes && a->lut1) {
-        /* Several tokens with tables: one lookup pass each (the codes come
-         * from cache after the first), 26 operations per tile and token
-         * against ~36 for masking shared by four tokens. */
-        for (int j = 0; j < nb; j++) {
-            float *fj = facc + j * ULB_PANEL_ROWS;
-            int32_t *dj = dots ? dots + j * w->n_groups * ULB_PANEL_ROWS : NULL;
-            switch (ntiles) {
-            case 1: tiles_body(w, &p, 1, ntiles, 0, 1, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
-            case 2: tiles_body(w, &p, 1, ntiles, 0, 2, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
-            case 3: tiles_body(w, &p, 1, ntiles, 0, 3, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
-            default: tiles_body(w, &p, 1, ntiles, 0, 4, a, n0 + j, &fj, dj, 1, bits, prefetch, lanes); break;
-            }
-        }
-        return;
-    }
-    if (nb == 1) {
-        switch (ntiles) {
-            ULB_ONE_TOKEN(bits, prefetch, lanes, 1) ULB_ONE_TOKEN(bits, prefetch, lanes, 2)
-            ULB_ONE_TOKEN(bits, prefetch, lanes, 3) ULB_ONE_TOKEN(bits, prefetch, lanes, 4)
-        }
+    /* Several tokens with tables run a lookup pass each (the codes come from
+     * cache after the first): 26 operations per tile and token against ~36
+     * for masking shared by four tokens. */
+    if (nb == 1 || (lanes && a->lut1)) {
+        for (int j = 0; j < nb; j++)
+            one_token(w, p, ntiles, a, n0 + j, facc + j * ULB_PANEL_ROWS,
+                      dots ? dots + j * w->n_groups * ULB_PANEL_ROWS : NULL, bits, prefetch, lanes);
     } else {
         switch (nb) {
             ULB_TOKENS(bits, prefetch, lanes, 2) ULB_TOKENS(bits, prefetch, lanes, 3)

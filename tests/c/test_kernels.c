@@ -451,7 +451,10 @@ int main(void) {
     const int64_t Ns[] = {1, 2, 4, 5, 9}; /* 4: lookups for four tokens; 5, 9: not */
     const int64_t gss[] = {0, 32, 128};
     for (int f = 0; f < N_FORMS; f++)
-        for (int a = 0; a < 5; a++) for (int b = 0; b < 5; b++) for (int c = 0; c < 5; c++) for (int d = 0; d < 3; d++) {
+        for (int a = 0; a < 5; a++)
+        for (int b = 0; b < 5; b++)
+        for (int c = 0; c < 5; c++)
+        for (int d = 0; d < 3; d++) {
             if (Ms[a] * Ks[b] > 1000 * 300 && c > 2) continue;
             fails += check(FORMS[f].fmt, FORMS[f].tiles, Ms[a], Ks[b], gss[d], Ns[c]);
             n++;
@@ -487,7 +490,8 @@ int main(void) {
             for (int c = 0; c < 3; c++)
                 for (int d = 0; d < 2; d++) {
                     if (a == 2 && (c == 1 || d == 1)) continue;
-                    fails += check_linear_variants(FORMS[f].fmt, FORMS[f].tiles, lin_MK[a][0], lin_MK[a][1], gss[d], lin_Ns[c], &turn, &n);
+                    fails += check_linear_variants(FORMS[f].fmt, FORMS[f].tiles, lin_MK[a][0], lin_MK[a][1], gss[d],
+                                                   lin_Ns[c], &turn, &n);
                 }
     fails += check_tile_orders(&n);
 #if defined(__x86_64__)

@@ -195,15 +195,15 @@ int ulb_isa_supported(ulb_isa isa);
 ulb_status ulb_isa_set(ulb_isa isa);
 const char *ulb_isa_name(ulb_isa isa);
 
-/* The one-token 1-bit GEMVs by table lookup, on unless disabled (ULB_LUT1=0
- * in the environment at load, or this call); the masking kernels then serve.
- * Under AVX2 (AVX-VNNI and AVX-512 CPUs too), over LANES tiles, any thread
- * count, up to 4 tokens: 1.8x faster in cache on Zen 3, 1.25-1.45x from
- * DRAM (2.7-3.2x at 4 tokens). Under AVX-512
- * VBMI, over VNNI tiles, one thread: 1.26x in cache, from DRAM trading places
- * with the machine's state (0.90-1.07x on the development VM). ulb_lut1_enabled
- * reports the setting, ulb_lut1_available whether either kernel runs under
- * `isa` on this CPU. */
+/* The 1-bit GEMVs by table lookup, on unless disabled (ULB_LUT1=0 in the
+ * environment at load, or this call); the masking kernels then serve. Under
+ * AVX2 (AVX-VNNI and AVX-512 CPUs too), over LANES tiles, any thread count,
+ * up to 4 tokens: 1.8x faster in cache on Zen 3, 1.25-1.45x from DRAM
+ * (2.7-3.2x at 4 tokens). Under AVX-512 VBMI, over VNNI tiles, one token on
+ * one thread: 1.26x in cache, from DRAM trading places with the machine's
+ * state (0.90-1.07x on the development VM). ulb_lut1_enabled reports the
+ * setting, ulb_lut1_available whether either kernel runs under `isa` on this
+ * CPU. */
 void ulb_lut1_enable(int on);
 int ulb_lut1_enabled(void);
 int ulb_lut1_available(ulb_isa isa);
