@@ -29,7 +29,7 @@ def test_automatic_rule():
     assert [runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS] == ["auto"] * 4
     intel = _cpu_vendor() == "GenuineIntel"
     resolve = runtime.resolved_prefetch_distance
-    for isa in [i for i in ("avx2", "avxvnni", "avx512") if i in KERNELS]:
+    for isa in [i for i in ("avx2", "avxvnni", "avx512", "amx") if i in KERNELS]:
         with runtime.use_isa(isa):
             for threads in (1, 2, 16):
                 for group in (2048, 40960, 41024, 1 << 30):

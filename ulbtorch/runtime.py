@@ -13,7 +13,7 @@ from . import _C
 
 _lib = ctypes.CDLL(_C.__file__)
 _MAX_THREADS = 64
-ISAS = ("scalar", "avx2", "avx512", "avxvnni", "portable")  # ulb_isa in kernels/include/ulb/ulb.h
+ISAS = ("scalar", "avx2", "avx512", "avxvnni", "portable", "amx")  # ulb_isa in kernels/include/ulb/ulb.h
 
 
 class _SchedStats(ctypes.Structure):
@@ -104,7 +104,7 @@ def set_isa(name: str) -> None:
 # AVX-512; the portable ISA runs the reference's rows); without one
 # nn.LinearBF16 leaves the call to F.linear. Kept in Python so that the
 # per-call check is a global read.
-_BF16_GEMV_ISAS = ("avx2", "avx512", "avxvnni")
+_BF16_GEMV_ISAS = ("avx2", "avx512", "avxvnni", "amx")
 bf16_gemv_native = get_isa() in _BF16_GEMV_ISAS
 
 
@@ -142,7 +142,7 @@ def use_isa(name: str):
 def lut1_available(isa: str | None = None) -> bool:
     """Whether a 1-bit lookup-table kernel runs under `isa` on this CPU (None:
     under any ISA it supports): AVX2's over "lanes" tiles (under avx2,
-    avxvnni and avx512), AVX-512 VBMI's over "vnni" tiles."""
+    avxvnni, avx512 and amx), AVX-512 VBMI's over "vnni" tiles."""
     names = supported_isas() if isa is None else [isa]
     return any(_lib.ulb_lut1_available(ISAS.index(n)) for n in names)
 

@@ -4,10 +4,35 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "internal.h"
 
-static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2", "avx512", "avxvnni", "portable"};
+static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2", "avx512", "avxvnni", "portable", "amx"};
+
+#if defined(__x86_64__)
+/* AMX int8 tiles usable by this process: the CPU has them (CPUID.7.0:EDX
+ * bits 24-25), the OS saves their state (XCR0 bits 17-18), and Linux grants
+ * the process their data (arch_prctl ARCH_REQ_XCOMP_PERM; without it the
+ * first tile instruction faults). Asked once; the grant is per process. */
+static int amx_usable;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (3u << 24)) != (3u << 24)) return;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return; /* OSXSAVE: xgetbv allowed */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return;
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    amx_usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#endif
 
 const char *ulb_isa_name(ulb_isa isa) {
     return (unsigned)isa < ULB_ISA_COUNT ? ISA_NAMES[isa] : "unknown";
@@ -24,6 +49,10 @@ int ulb_isa_supported(ulb_isa isa) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     case ULB_ISA_AVXVNNI:
+    case ULB_ISA_AMX:
+        /* VBMI too: the AMX kernel turns LANES tiles into VNNI ones with vpermb. */
+        pthread_once(&amx_once, amx_probe);
+        return amx_usable && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
 #ifdef ULB_EMULATE_AVXVNNI /* panel_avxvnni.c: vpdpbusd from AVX2, for tests */
         return ulb_isa_supported(ULB_ISA_AVX2);
 #else
@@ -45,6 +74,7 @@ static void isa_init(void) {
     if (ulb_isa_supported(ULB_ISA_AVX2)) cpu_best = ULB_ISA_AVX2;
     if (ulb_isa_supported(ULB_ISA_AVXVNNI)) cpu_best = ULB_ISA_AVXVNNI;
     if (ulb_isa_supported(ULB_ISA_AVX512)) cpu_best = ULB_ISA_AVX512;
+    if (ulb_isa_supported(ULB_ISA_AMX)) cpu_best = ULB_ISA_AMX;
     ulb_isa best = cpu_best;
     const char *lut = getenv("ULB_LUT1");
     if (lut && !strcmp(lut, "0")) atomic_store(&lut1_on, 0);
@@ -85,7 +115,8 @@ int ulb_lut1_enabled(void) {
 /* AVX-512 VBMI's lookups, over VNNI tiles. */
 static int lut1_vnni_available(ulb_isa isa) {
 #if defined(__x86_64__)
-    return isa == ULB_ISA_AVX512 && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
+    return (isa == ULB_ISA_AVX512 || isa == ULB_ISA_AMX) && ulb_isa_supported(ULB_ISA_AVX512) &&
+           __builtin_cpu_supports("avx512vbmi");
 #else
     (void)isa;
     return 0;
@@ -94,7 +125,8 @@ static int lut1_vnni_available(ulb_isa isa) {
 
 int ulb_lut1_available(ulb_isa isa) {
 #if defined(__x86_64__)
-    return ulb_isa_supported(isa) && (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512);
+    return ulb_isa_supported(isa) &&
+           (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512 || isa == ULB_ISA_AMX);
 #else
     (void)isa;
     return 0;
@@ -116,13 +148,23 @@ ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa) {
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
-    case ULB_ISA_AVX512: return ulb_panel_avx512;
+    case ULB_ISA_AVX512:
+    case ULB_ISA_AMX: return ulb_panel_avx512; /* the AMX GEMM is linear.c's choice, by token count */
     case ULB_ISA_AVX2: return ulb_panel_avx2;
     case ULB_ISA_AVXVNNI: return ulb_panel_avxvnni;
 #endif
     case ULB_ISA_PORTABLE: return ulb_panel_portable;
     default: return ulb_panel_ref;
     }
+}
+
+const ulb_gemm_kernel *ulb_gemm_for_isa(ulb_isa isa, int64_t N) {
+#if defined(__x86_64__)
+    if (isa == ULB_ISA_AMX && N >= ULB_AMX_MIN_TOKENS) return &ulb_gemm_amx;
+#endif
+    (void)isa;
+    (void)N;
+    return NULL;
 }
 
 ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1) {
@@ -139,7 +181,7 @@ ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1)
 
 ulb_store_fn ulb_store_for_isa(ulb_isa isa) {
 #if defined(__x86_64__)
-    if (isa == ULB_ISA_AVX512) return ulb_store_rows_avx512;
+    if (isa == ULB_ISA_AVX512 || isa == ULB_ISA_AMX) return ulb_store_rows_avx512;
 #endif
     (void)isa;
     return ulb_store_rows_ref; /* AVX2 too: no AVX2 step written or measured yet */
@@ -148,7 +190,8 @@ ulb_store_fn ulb_store_for_isa(ulb_isa isa) {
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
-    case ULB_ISA_AVX512: return ulb_quant_row_avx512;
+    case ULB_ISA_AVX512:
+    case ULB_ISA_AMX: return ulb_quant_row_avx512;
     case ULB_ISA_AVX2:
     case ULB_ISA_AVXVNNI: return ulb_quant_row_avx2;
 #endif
@@ -159,7 +202,8 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
-    case ULB_ISA_AVX512: return ulb_gemv_bf16_rows_avx512;
+    case ULB_ISA_AVX512:
+    case ULB_ISA_AMX: return ulb_gemv_bf16_rows_avx512;
     case ULB_ISA_AVX2:
     case ULB_ISA_AVXVNNI: return ulb_gemv_bf16_rows_avx2;
 #endif

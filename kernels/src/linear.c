@@ -55,12 +55,19 @@ static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
            (w->bits != 1 || nthreads == 1 || panel >= 2 * PAIR_MIN_PANEL_BYTES);
 }
 
+/* Bytes of int8 activations to allocate for N tokens: a GEMM kernel reads
+ * whole blocks of tokens, and a little past the last (ulb_gemm_kernel). */
+static int64_t xq_bytes_for(const ulb_weight *w, int64_t N, const ulb_gemm_kernel *gemm) {
+    return gemm ? ulb_round_up(N, gemm->tokens) * w->K_pad + gemm->xq_slack : N * w->K_pad;
+}
+
 /* Scratch for the int8 activations of N tokens, and with lut1_build the
  * lookup tables of the 1-bit one-token kernel; filled by acts_fill. */
-static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, int nthreads, int64_t N,
-                             quantized_acts *q) {
+static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, const ulb_gemm_kernel *gemm,
+                             int nthreads, int64_t N, quantized_acts *q) {
     const int lut = lut1_build != NULL;
-    const size_t xq_bytes = (size_t)ulb_round_up(N * w->K_pad, 64);
+    const int64_t pad_from = N * w->K_pad, pad_to = xq_bytes_for(w, N, gemm);
+    const size_t xq_bytes = (size_t)ulb_round_up(pad_to, 64);
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
     const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
     const size_t lut_bytes = lut ? (size_t)(N * w->ksteps * ULB_LUT1_STEP_BYTES) : 0;
@@ -69,6 +76,7 @@ static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, 
     q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes + lut_bytes + facc1_bytes);
     if (!q->scratch) return ULB_ERR_NOMEM;
     q->xq = q->scratch;
+    memset(q->xq + pad_from, 0, (size_t)(pad_to - pad_from));
     q->xscale = (float *)((char *)q->scratch + xq_bytes);
     q->xsum = (int32_t *)((char *)q->scratch + xq_bytes + xs_bytes);
     q->lut1_build = lut1_build;
@@ -109,6 +117,7 @@ typedef struct {
     int warm_first;                  /* prefetch before quantising (see acts_ready) */
     ulb_panel_fn panel;
     ulb_panel_pair_fn pair; /* one token: two panels at once, or NULL */
+    const ulb_gemm_kernel *gemm; /* many tokens: the ISA's GEMM kernel, or NULL */
     ulb_store_fn store;
     ulb_out out;
     float *facc1; /* one token: M_pad floats, see linear_panels */
@@ -167,6 +176,35 @@ static int64_t panel_rows(const ulb_weight *w, int64_t p0, int64_t p1, int64_t *
     return m1 - *m0;
 }
 
+/* Each panel's codes unpacked once into a buffer of this thread's, then every
+ * block of tokens through them. */
+static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64_t p1) {
+    const ulb_weight *w = job->w;
+    const ulb_gemm_kernel *k = job->gemm;
+    uint8_t *b = ulb_aligned_alloc((size_t)k->unpacked_bytes(w));
+    float *facc = ulb_aligned_alloc((size_t)k->tokens * ULB_PANEL_ROWS * sizeof(float));
+    if (!b || !facc) {
+        atomic_store_explicit(&job->acts_status, ULB_ERR_NOMEM, memory_order_relaxed);
+        ulb_aligned_free(b);
+        ulb_aligned_free(facc);
+        return;
+    }
+    k->begin(w);
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t m0;
+        const int64_t rows = panel_rows(w, p, p + 1, &m0);
+        k->unpack(w, p, b);
+        for (int64_t n0 = 0; n0 < job->N; n0 += k->tokens) {
+            const int nb = job->N - n0 < k->tokens ? (int)(job->N - n0) : k->tokens;
+            k->block(w, p, b, acts, n0, nb, facc, NULL);
+            job->store(&job->out, facc, n0, nb, m0, rows);
+        }
+    }
+    k->end();
+    ulb_aligned_free(b);
+    ulb_aligned_free(facc);
+}
+
 /* With one token the output step runs once per thread over all its rows
  * instead of once per panel: a 1-thread cold 2-bit GEMV then streams 2-3%
  * faster at K = 2048 and ~2% at 4096; 1-bit and 2 threads are unchanged
@@ -191,6 +229,10 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
                        job->facc1 + p * ULB_PANEL_ROWS, NULL);
         const int64_t rows = panel_rows(w, p0, p1, &m0);
         job->store(&job->out, job->facc1 + m0, 0, 1, m0, rows);
+        return;
+    }
+    if (job->gemm) {
+        gemm_panels(job, &acts, p0, p1);
         return;
     }
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS] __attribute__((aligned(64)));
@@ -220,14 +262,15 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
     if (nthreads > ulb_weight_npanels(&w)) nthreads = (int)ulb_weight_npanels(&w); /* as ulb_parallel will */
     const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, nthreads, isa);
+    const ulb_gemm_kernel *gemm = ulb_gemm_for_isa(isa, N);
     quantized_acts q;
-    st = acts_alloc(&w, lut1_build, nthreads, N, &q);
+    st = acts_alloc(&w, lut1_build, gemm, nthreads, N, &q);
     if (st != ULB_OK) return st;
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
     const ulb_panel_pair_fn pair = use_pairs(&w, N, nthreads) ? ulb_panel_pair_for(isa, &w, lut1_build != NULL) : NULL;
     linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
-                      pair, ulb_store_for_isa(isa),
+                      pair, gemm, ulb_store_for_isa(isa),
                       {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;
@@ -243,28 +286,48 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     if (N < 0) return ULB_ERR_SHAPE;
     const ulb_isa isa = ulb_isa_active();
     const ulb_panel_fn fn = ulb_panel_for_isa(isa);
+    const ulb_gemm_kernel *gemm = ulb_gemm_for_isa(isa, N);
     const int64_t G = w.n_groups;
     const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, 1, isa);
     const int lut = lut1_build != NULL;
-    const size_t pd_bytes = (size_t)(ULB_NB_MAX * G * ULB_PANEL_ROWS) * sizeof(int32_t);
-    int32_t *pd = ulb_aligned_alloc(pd_bytes + (lut ? (size_t)(N * w.ksteps * ULB_LUT1_STEP_BYTES) : 0));
+    /* Tokens per kernel call; with a GEMM kernel a copy of xq as it reads it
+     * (xq_bytes_for) and the panel's unpacked codes. */
+    const int64_t nb_max = gemm ? gemm->tokens : ULB_NB_MAX;
+    const size_t pd_bytes = (size_t)ulb_round_up(nb_max * G * ULB_PANEL_ROWS * (int64_t)sizeof(int32_t), 64);
+    const size_t facc_bytes = (size_t)(nb_max * ULB_PANEL_ROWS) * sizeof(float);
+    const size_t lut_bytes = lut ? (size_t)(N * w.ksteps * ULB_LUT1_STEP_BYTES) : 0;
+    const size_t xq_bytes = gemm ? (size_t)ulb_round_up(xq_bytes_for(&w, N, gemm), 64) : 0;
+    const size_t b_bytes = gemm ? (size_t)gemm->unpacked_bytes(&w) : 0;
+    int32_t *pd = ulb_aligned_alloc(pd_bytes + facc_bytes + lut_bytes + xq_bytes + b_bytes);
     if (!pd) return ULB_ERR_NOMEM;
-    uint8_t *lut1 = lut ? (uint8_t *)pd + pd_bytes : NULL;
+    float *facc = (float *)((uint8_t *)pd + pd_bytes);
+    uint8_t *lut1 = lut ? (uint8_t *)facc + facc_bytes : NULL;
     for (int64_t n = 0; lut && n < N; n++)
         lut1_build(xq + n * w.K_pad, w.ksteps, lut1 + n * w.ksteps * ULB_LUT1_STEP_BYTES);
-    const ulb_acts acts = ulb_acts_of(&w, xq, xsum, lut1, 1);
-    float facc[ULB_NB_MAX * ULB_PANEL_ROWS];
+    int8_t *xq_gemm = gemm ? (int8_t *)facc + facc_bytes + lut_bytes : NULL;
+    uint8_t *b = gemm ? (uint8_t *)xq_gemm + xq_bytes : NULL;
+    if (gemm) {
+        memcpy(xq_gemm, xq, (size_t)(N * w.K_pad));
+        memset(xq_gemm + N * w.K_pad, 0, xq_bytes - (size_t)(N * w.K_pad));
+        gemm->begin(&w);
+    }
+    const ulb_acts acts = ulb_acts_of(&w, gemm ? xq_gemm : xq, xsum, lut1, 1);
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;
-        for (int64_t n0 = 0; n0 < N; n0 += ULB_NB_MAX) {
-            const int nb = N - n0 < ULB_NB_MAX ? (int)(N - n0) : ULB_NB_MAX;
-            fn(&w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w.M_pad, p), &acts, n0, nb, facc, pd);
+        if (gemm) gemm->unpack(&w, p, b);
+        for (int64_t n0 = 0; n0 < N; n0 += nb_max) {
+            const int nb = N - n0 < nb_max ? (int)(N - n0) : (int)nb_max;
+            if (gemm)
+                gemm->block(&w, p, b, &acts, n0, nb, facc, pd);
+            else
+                fn(&w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w.M_pad, p), &acts, n0, nb, facc, pd);
             for (int j = 0; j < nb; j++)
                 for (int64_t r = 0; r < ULB_PANEL_ROWS && m0 + r < w.M; r++)
                     for (int64_t g = 0; g < G; g++)
                         dots[((n0 + j) * w.M + m0 + r) * G + g] = pd[(j * G + g) * ULB_PANEL_ROWS + r];
         }
     }
+    if (gemm) gemm->end();
     ulb_aligned_free(pd);
     return ULB_OK;
 }

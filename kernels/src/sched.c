@@ -45,8 +45,12 @@ int ulb_sched_family(int bits, ulb_isa isa) {
     const int base = family_base(bits);
     /* The AVX-VNNI kernels are the AVX2 ones with another multiply: one
      * table. The portable kernels share the scalar ones' (a CPU runs one of
-     * the two, the other only in tests). */
-    const ulb_isa slot = isa == ULB_ISA_AVXVNNI ? ULB_ISA_AVX2 : isa == ULB_ISA_PORTABLE ? ULB_ISA_SCALAR : isa;
+     * the two, the other only in tests), and AMX (the AVX-512 kernels but for
+     * prefill) AVX-512's. */
+    const ulb_isa slot = isa == ULB_ISA_AVXVNNI  ? ULB_ISA_AVX2
+                         : isa == ULB_ISA_PORTABLE ? ULB_ISA_SCALAR
+                         : isa == ULB_ISA_AMX      ? ULB_ISA_AVX512
+                                                   : isa;
     return (base < 0 ? ULB_SCHED_BF16 : base) + (int)slot;
 }
 

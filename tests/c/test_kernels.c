@@ -468,14 +468,30 @@ int main(void) {
         fails += check_bf16(70, Ks[b], Ks[b] + 3, 1);
         n++;
     }
-    /* int8 and int4 groups narrower than the 2-bit tile */
-    for (int a = 1; a < 4; a++) for (int c = 0; c < 4; c++) {
-        fails += check(ULB_FMT_INT8, ULB_TILES_VNNI, Ms[a], 257, 12, Ns[c]);
-        fails += check(ULB_FMT_INT4, ULB_TILES_VNNI, Ms[a], 257, 24, Ns[c]);
+    /* Prefill sizes, which the AMX GEMM takes from 16 tokens on: a full block,
+     * a block and one token, two and a partial one; per-channel groups (the
+     * last k-block partial where K is not a multiple of 64), groups of 32
+     * (half a block) and 128 (two blocks). */
+    const int64_t gemm_Ns[] = {16, 17, 37};
+    for (int f = 0; f < N_FORMS; f++)
+        for (int a = 1; a < 5; a++)
+        for (int b = 1; b < 5; b++)
+        for (int c = 0; c < 3; c++)
+        for (int d = 0; d < 3; d++) {
+            if (Ms[a] * Ks[b] > 1000 * 300 && (c != 1 || d != 2)) continue;
+            fails += check(FORMS[f].fmt, FORMS[f].tiles, Ms[a], Ks[b], gss[d], gemm_Ns[c]);
+            n++;
+        }
+    /* int8 and int4 groups narrower than the 2-bit tile (and than 16 bytes,
+     * the AMX GEMM's narrowest k-block) */
+    const int64_t narrow_Ns[] = {1, 2, 4, 5, 17};
+    for (int a = 1; a < 4; a++) for (int c = 0; c < 5; c++) {
+        fails += check(ULB_FMT_INT8, ULB_TILES_VNNI, Ms[a], 257, 12, narrow_Ns[c]);
+        fails += check(ULB_FMT_INT4, ULB_TILES_VNNI, Ms[a], 257, 24, narrow_Ns[c]);
         n += 2;
     }
     for (int f = 0; f < N_FORMS; f++)
-        for (int N = 1; N <= 2; N++) {
+        for (int N = 1; N <= 16; N += N < 2 ? 1 : 14) {
             fails += check_int_extremes(FORMS[f].fmt, FORMS[f].tiles, 65536, N);
             n++;
         }
@@ -484,12 +500,12 @@ int main(void) {
      * partial block of ULB_NB_MAX tokens); the larger shape runs on two threads. */
     int turn = 0;
     const int64_t lin_MK[][2] = {{7, 33}, {100, 257}, {333, 1100}};
-    const int64_t lin_Ns[] = {1, 2, 5};
+    const int64_t lin_Ns[] = {1, 2, 5, 18};
     for (int f = 0; f < N_FORMS; f++)
         for (int a = 0; a < 3; a++)
-            for (int c = 0; c < 3; c++)
+            for (int c = 0; c < 4; c++)
                 for (int d = 0; d < 2; d++) {
-                    if (a == 2 && (c == 1 || d == 1)) continue;
+                    if (a == 2 && (c == 1 || c == 3 || d == 1)) continue;
                     fails += check_linear_variants(FORMS[f].fmt, FORMS[f].tiles, lin_MK[a][0], lin_MK[a][1], gss[d],
                                                    lin_Ns[c], &turn, &n);
                 }

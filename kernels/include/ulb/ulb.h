@@ -177,7 +177,9 @@ ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, c
 /* ---- ISA ----------------------------------------------------------------- */
 
 /* AVXVNNI: the AVX2 kernels with AVX-VNNI's vpdpbusd (Intel client cores
- * without AVX-512); preferred to AVX2, AVX-512 to both. PORTABLE: plain C
+ * without AVX-512); preferred to AVX2, AVX-512 to both. AMX: the AVX-512
+ * kernels, and calls of 16 tokens or more (prefill) on AMX's int8 tiles
+ * (Intel Xeon from Sapphire Rapids on), preferred to AVX-512. PORTABLE: plain C
  * that the compiler vectorises (src/panel_portable.c), on every CPU; the
  * default where none of the x86 kernels runs. SCALAR: the reference. */
 typedef enum {
@@ -185,9 +187,10 @@ typedef enum {
     ULB_ISA_AVX2 = 1,
     ULB_ISA_AVX512 = 2,
     ULB_ISA_AVXVNNI = 3,
-    ULB_ISA_PORTABLE = 4
+    ULB_ISA_PORTABLE = 4,
+    ULB_ISA_AMX = 5
 } ulb_isa;
-#define ULB_ISA_COUNT 5
+#define ULB_ISA_COUNT 6
 
 /* Best ISA this CPU supports, or the one named by env ULB_ISA at load. */
 ulb_isa ulb_isa_active(void);
