@@ -12,6 +12,7 @@ measures what it compares in the same process and reports ratios.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -26,6 +27,30 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 MiB = 1 << 20
+
+
+def l3_bytes() -> int:
+    """The largest level-3 cache the OS reports for CPU 0, 0 if none."""
+    best = 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(d, "level")) as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(os.path.join(d, "size")) as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KMG")) * unit)
+    return best
+
+
+# Bytes a cold rotation (and the read probe's buffer) spans: 600 MiB, or 2.5x
+# the L3 where that is more. The Zen VMs have 32 MiB of L3; the Xeon VM of
+# benchmarks/results/README.md reports 480 MiB, which a 600 MiB rotation
+# does not safely leave.
+COLD_MIB = max(600, math.ceil(2.5 * l3_bytes() / MiB))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SHAPES = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "bench", "shapes.json"))
 
@@ -179,10 +204,10 @@ def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
-def cold_rotation(n_bytes_each: int, total_target: int = 600 * MiB, min_total: int = 256 * MiB,
+def cold_rotation(n_bytes_each: int, total_target: int = COLD_MIB * MiB, min_total: int = 256 * MiB,
                   max_count: int = 1_000_000) -> int:
     """Number of distinct matrices of n_bytes_each to rotate through so that
-    no call finds its weights in cache (L3 here is 32 MiB): about total_target
+    no call finds its weights in cache (COLD_MIB): about total_target
     bytes in all and never less than min_total; at least 2."""
     n_bytes_each = max(1, int(n_bytes_each))
     n = math.ceil(total_target / n_bytes_each)

@@ -139,7 +139,8 @@ def main(argv=None):
     p.add_argument("--group-size", type=int, default=0, help="0 = per-channel scales (default)")
     p.add_argument("--act-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the activations fed to our op (bf16 F.linear always gets bf16)")
-    p.add_argument("--rotate-mib", type=float, default=600, help="target size of each cold rotation (MiB)")
+    p.add_argument("--rotate-mib", type=float, default=common.COLD_MIB,
+                   help=f"target size of each cold rotation (MiB; default {common.COLD_MIB}: 600, or 2.5x the L3)")
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
     p.add_argument("--reps", type=int, default=15, help="timing samples per measurement (median)")
     p.add_argument("--hot", action="store_true", help="also time a single matrix over and over (L3-hot, labelled)")
@@ -152,7 +153,8 @@ def main(argv=None):
                    help="also time GEMM at these token counts (default: shapes.json prefill_tokens); hot")
     p.add_argument("--no-gemv", action="store_true", help="skip the N=1 table (with --prefill)")
     p.add_argument("--isa", choices=ulbtorch.runtime.ISAS, help="force one kernel ISA")
-    p.add_argument("--bw-mib", type=int, default=512, help="buffer size of the read-bandwidth probe (MiB)")
+    p.add_argument("--bw-mib", type=int, default=max(512, common.COLD_MIB),
+                   help="buffer size of the read-bandwidth probe (MiB; default 512, or the cold rotation's if more)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: smollm2-135m only, 3 reps, 64 MiB rotations (indicative numbers only)")
     p.add_argument("--json", help="write all rows as JSON here")

@@ -197,10 +197,12 @@ def main(argv=None):
                         "slope of time vs bytes over M/2, M, 2M rows; default), 'call' = bytes / whole-call time at M")
     p.add_argument("--act-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="activations fed to the op (default bf16)")
-    p.add_argument("--rotate-mib", type=float, default=600, help="target size of each cold rotation (MiB)")
+    p.add_argument("--rotate-mib", type=float, default=common.COLD_MIB,
+                   help=f"target size of each cold rotation (MiB; default {common.COLD_MIB}: 600, or 2.5x the L3)")
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
     p.add_argument("--reps", type=int, default=15, help="timing samples per cold measurement (median)")
-    p.add_argument("--bw-mib", type=int, default=512, help="buffer size of the read-bandwidth probe (MiB)")
+    p.add_argument("--bw-mib", type=int, default=max(512, common.COLD_MIB),
+                   help="buffer size of the read-bandwidth probe (MiB; default 512, or the cold rotation's if more)")
     p.add_argument("--png", help="write the plot here (default: no plot)")
     p.add_argument("--markdown", help="write the tables as markdown here")
     p.add_argument("--json", help="write all rows as JSON here")

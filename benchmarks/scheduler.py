@@ -179,7 +179,8 @@ def main(argv=None):
     p.add_argument("--no-pin-pool", action="store_true",
                    help="with --competitor: do not pin this process's threads (tid 0 to CPU 0, the rest to CPU 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip the equal-cores scenario")
-    p.add_argument("--rotate-mib", type=float, default=600, help="target size of the cold rotation (MiB)")
+    p.add_argument("--rotate-mib", type=float, default=common.COLD_MIB,
+                   help=f"target size of the cold rotation (MiB; default {common.COLD_MIB}: 600, or 2.5x the L3)")
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
     p.add_argument("--isa", choices=runtime.ISAS, help="force one kernel ISA")
     p.add_argument("--quick", action="store_true", help="smoke test: 20 calls, 3 warmup, 64 MiB rotation")

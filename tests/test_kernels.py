@@ -33,8 +33,9 @@ MS = (1, 7, 33, 100, 1000)
 KS = (1, 16, 33, 257, 4097)
 # 1: the one-token kernels (for 1-bit codes the lookup tables where the ISA
 # has them for the tile order; with "+nolut1", masking); 5 = 4 + 1: a one-token tail after four
-# tokens, never with tables; 2, 7: two and three tokens.
-NS = (1, 2, 5, 7, 64)
+# tokens, never with tables; 2, 7: two and three tokens; 19, 64: the AMX GEMM
+# (from 16 tokens), with a partial block of 3 and in full blocks.
+NS = (1, 2, 5, 7, 19, 64)
 GROUP_SIZES = (0, 32, 128)
 
 
@@ -247,16 +248,17 @@ def _blob(gen, form="int2_sym", M=70, K=200, gs=32):
 def test_linear_bf16(gen, isa, fmt):
     M, K = 70, 200
     blob = _blob(gen, fmt, M, K)
-    x = torch.randn(9, K, generator=gen).to(torch.bfloat16)
-    with use_kernels(isa):
-        y = torch.ops.ulb.linear(x, blob, None, M)
-    with runtime.use_isa("scalar"):
-        y_scalar = torch.ops.ulb.linear(x, blob, None, M)
-        y32 = torch.ops.ulb.linear(x.float(), blob, None, M)
-    assert y.dtype == torch.bfloat16 and y.shape == (9, M)
-    assert torch.equal(y, y_scalar)
-    # bf16 values are exact in fp32, so only the final rounding differs.
-    assert torch.equal(y, y32.to(torch.bfloat16))
+    for N in (9, 20):  # 20: the AMX GEMM's output too
+        x = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+        with use_kernels(isa):
+            y = torch.ops.ulb.linear(x, blob, None, M)
+        with runtime.use_isa("scalar"):
+            y_scalar = torch.ops.ulb.linear(x, blob, None, M)
+            y32 = torch.ops.ulb.linear(x.float(), blob, None, M)
+        assert y.dtype == torch.bfloat16 and y.shape == (N, M)
+        assert torch.equal(y, y_scalar)
+        # bf16 values are exact in fp32, so only the final rounding differs.
+        assert torch.equal(y, y32.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("isa", KERNELS)
@@ -265,13 +267,15 @@ def test_linear_bf16(gen, isa, fmt):
 def test_linear_bias(gen, isa, x_dtype, bias_dtype):
     M, K = 70, 200
     blob = _blob(gen, "ternary", M, K)
-    x = torch.randn(5, K, generator=gen).to(x_dtype)
     bias = (torch.randn(M, generator=gen) * 3).to(bias_dtype)
-    with use_kernels(isa):
-        y = torch.ops.ulb.linear(x, blob, bias, M)
-    y0 = torch.ops.ulb.linear(x.float(), blob, None, M)
-    assert y.dtype == x_dtype
-    assert torch.equal(y, (y0 + bias.float()).to(x_dtype))
+    for N in (5, 17):
+        x = torch.randn(N, K, generator=gen).to(x_dtype)
+        with use_kernels(isa):
+            y = torch.ops.ulb.linear(x, blob, bias, M)
+        with runtime.use_isa("scalar"):
+            y0 = torch.ops.ulb.linear(x.float(), blob, None, M)
+        assert y.dtype == x_dtype
+        assert torch.equal(y, (y0 + bias.float()).to(x_dtype))
 
 
 @pytest.mark.parametrize("isa", KERNELS)
@@ -332,6 +336,10 @@ def test_linear_non_contiguous(gen, isa):
         "row_slice": big[::3, 5:5 + K],                           # row stride 3 * 2K
         "broadcast": torch.randn(1, K, generator=gen).expand(4, K),  # row stride 0
         "bf16_transposed": torch.randn(K, 3, generator=gen).to(torch.bfloat16).t(),
+        # prefill sizes (the AMX GEMM where it runs)
+        "transposed_prefill": torch.randn(K, 18, generator=gen).t(),
+        "column_stride_prefill": torch.randn(20, 2 * K, generator=gen)[:, ::2],
+        "bf16_broadcast_prefill": torch.randn(1, K, generator=gen).to(torch.bfloat16).expand(17, K),
     }
     with use_kernels(isa):
         for name, x in views.items():

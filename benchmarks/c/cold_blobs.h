@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 
@@ -86,10 +87,18 @@ static inline bench_shape bench_parse_shape(int argc, char **argv, bench_shape d
 typedef ulb_status (*bench_pack_fn)(int format, int64_t M, int64_t K, int64_t group_size, const uint8_t *codes,
                                     int64_t ldc, const float *scales, uint8_t *out, int64_t out_bytes);
 
+/* Bytes of a cold set: 600 MiB, or 2.5 times the L3 where that is more
+ * (480 MiB on the Xeon VM of benchmarks/results/README.md, where a 600 MiB
+ * set is not safely out of it). */
+static inline int64_t bench_cold_bytes(void) {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return l3 > 0 && 5 * (int64_t)l3 / 2 > (600LL << 20) ? 5 * (int64_t)l3 / 2 : 600LL << 20;
+}
+
 /* One random M x K matrix of `format` (codes 0..max_code, per-channel
  * scales), packed by each of nvar packers (two builds of the library may
- * lay blobs out differently), then copied until each variant holds ~600 MiB
- * (at least 4 copies): by the time a copy comes round again the others have
+ * lay blobs out differently), then copied until each variant holds
+ * bench_cold_bytes (at least 4 copies): by the time a copy comes round again the others have
  * pushed it out of every cache. All copies share one allocation, the
  * variants' copies alternating and their pages faulted in turn, so that no
  * variant streams from better memory: on the VM of benchmarks/results, two
@@ -103,7 +112,7 @@ static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const i
                                    int *count) {
     int64_t stride = 0;
     for (int v = 0; v < nvar; v++) stride += (nbytes[v] + 63) / 64 * 64;
-    int n = (int)((600LL << 20) * nvar / stride);
+    int n = (int)(bench_cold_bytes() * nvar / stride);
     if (n < 4) n = 4;
     const size_t huge = 2u << 20, arena_bytes = ((size_t)(stride * n) + huge - 1) / huge * huge;
     uint8_t *codes = malloc((size_t)(M * K)), *arena = aligned_alloc(huge, arena_bytes);
