@@ -7,6 +7,7 @@ quantized with ulbtorch.quantize_, in one process, at one thread count.
   python benchmarks/decode.py --config bitnet-b1.58-2b --formats 2,ternary,1
   python benchmarks/decode.py --profile                        # + share of time in linear layers, Amdahl bound
   python benchmarks/decode.py --compile                        # + torch.compile(model.forward) variants
+  python benchmarks/decode.py --prompt-len 512 --tokens 8      # time to the first token of a long prompt
 
 Random weights are fine for speed: decode cost does not depend on values.
 """
@@ -242,7 +243,8 @@ def main(argv=None):
     table = common.Table([("variant", "variant", None), ("mib", "weights MiB", ".0f"),
                           ("tok_s", "tok/s", ".2f"), ("decode_tok_s", "decode tok/s", ".2f"),
                           ("ms_tok", "ms/token", ".1f"), ("speedup", "x vs bf16", ".2f"),
-                          ("decode_speedup", "x decode", ".2f")],
+                          ("decode_speedup", "x decode", ".2f"), ("ttft_ms", "ms 1st token", ".1f"),
+                          ("ttft_speedup", "x 1st token", ".2f")],
                          title=f"Greedy decode, {args.config} ({cfg['num_hidden_layers']} layers), "
                                f"{torch.get_num_threads()} threads", min_widths=dict(variant=28))
     results = {}
@@ -252,10 +254,12 @@ def main(argv=None):
         dec = (t_full - t_one) / max(1, args.tokens - 1) if args.tokens > 1 else float("nan")
         r = dict(variant=name, mib=model_bytes(model) / 2**20, t_generate_s=t_full, t_prefill_plus1_s=t_one,
                  tok_s=args.tokens / t_full, decode_tok_s=1.0 / dec if dec > 0 else float("nan"),
-                 ms_tok=1e3 * t_full / args.tokens)
+                 ms_tok=1e3 * t_full / args.tokens, ttft_ms=1e3 * t_one)
         ref = results.get("bf16")
         r["speedup"] = r["tok_s"] / ref["tok_s"] if ref else 1.0
         r["decode_speedup"] = r["decode_tok_s"] / ref["decode_tok_s"] if ref else 1.0
+        # The prompt's forward (prefill, a GEMM per layer) and the first token.
+        r["ttft_speedup"] = ref["ttft_ms"] / r["ttft_ms"] if ref else 1.0
         results[name] = r
         table.add(r, echo=True)
         return out

@@ -350,6 +350,31 @@ def test_linear_non_contiguous(gen, isa):
         assert torch.equal(y, y[:1].expand_as(y))
 
 
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX on this CPU")
+def test_amx_gemm_beside_torch_matmul_on_the_same_threads(gen):
+    """The AMX GEMM and torch's bf16 matmul (oneDNN, on AMX's tiles where the
+    CPU has them) each configure the tiles of the threads they run on, and
+    the GEMM releases them after every call: alternating the two on the same
+    threads must leave both right (a kernel that trusted a stale tile
+    configuration would fault or compute garbage)."""
+    M, K, N = 256, 512, 64
+    blob = _blob(gen, "int2_sym", M, K)
+    x = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    w = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    with runtime.use_isa("scalar"):
+        want = torch.ops.ulb.linear(x, blob, None, M)
+    want_torch = torch.nn.functional.linear(x, w)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with runtime.use_isa("amx"):
+            for _ in range(4):
+                assert torch.equal(torch.ops.ulb.linear(x, blob, None, M), want)
+                assert torch.equal(torch.nn.functional.linear(x, w), want_torch)
+    finally:
+        torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("isa", KERNELS)
 def test_linear_leading_dims(gen, isa):
     M, K = 33, 48

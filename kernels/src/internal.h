@@ -122,28 +122,27 @@ ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1)
     }
 
 /* A GEMM kernel for calls of many tokens (prefill), where an ISA has one
- * (ulb_gemm_for_isa): unpack writes panel p's codes into unpacked_bytes(w)
- * bytes of scratch (64-byte aligned) in the kernel's own form; block then
- * runs tokens [n0, n0 + nb) (nb <= tokens) through them under the contract
- * of ulb_panel_fn for the whole panel. Its loads may read activation rows up
- * to round_up(N, tokens) and up to xq_slack bytes past the end of the last,
- * which the caller allocates (zeroed, so that nothing reads undefined bytes;
- * the codes they meet are zero). A thread brackets its calls with begin (for
- * w) and end. */
+ * (ulb_gemm_for_isa): panel runs tokens [n0, n0 + nb) (nb <= tokens) through
+ * panel p under the contract of ulb_panel_fn (facc: nb x 64 floats, dots as
+ * there), with scratch_bytes(w) bytes of scratch (64-byte aligned). Its loads
+ * may read activation rows up to round_up(N, tokens) and up to xq_slack
+ * bytes past the end of the last, which the caller allocates (zeroed, so
+ * that nothing reads undefined bytes; the codes they meet are zero). A
+ * thread brackets its calls with begin (for w) and end. */
 typedef struct {
     int tokens;
     int64_t xq_slack;
-    int64_t (*unpacked_bytes)(const ulb_weight *w);
+    int64_t (*scratch_bytes)(const ulb_weight *w);
     void (*begin)(const ulb_weight *w);
     void (*end)(void);
-    void (*unpack)(const ulb_weight *w, int64_t p, uint8_t *b);
-    void (*block)(const ulb_weight *w, int64_t p, const uint8_t *b, const ulb_acts *a, int64_t n0, int nb,
+    void (*panel)(const ulb_weight *w, int64_t p, const ulb_acts *a, int64_t n0, int nb, uint8_t *scratch,
                   float *facc, int32_t *dots);
 } ulb_gemm_kernel;
 
-/* AMX's int8 tiles (x86/gemm_amx.c), from 16 tokens on: below that a block
- * of 16 does the same work as a full one, and the AVX-512 kernels run. */
-#define ULB_AMX_TOKENS 16
+/* AMX's int8 tiles (x86/gemm_amx.c), up to 128 tokens a panel call (whose
+ * codes it unpacks once), from 16 tokens on: below that a tile of 16 does the
+ * same work as a full one, and the AVX-512 kernels run. */
+#define ULB_AMX_TOKENS 128
 #define ULB_AMX_MIN_TOKENS 16
 extern const ulb_gemm_kernel ulb_gemm_amx;
 

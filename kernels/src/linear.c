@@ -176,32 +176,28 @@ static int64_t panel_rows(const ulb_weight *w, int64_t p0, int64_t p1, int64_t *
     return m1 - *m0;
 }
 
-/* Each panel's codes unpacked once into a buffer of this thread's, then every
- * block of tokens through them. */
+/* The calling thread's panels through the GEMM kernel, a block of tokens at
+ * a time. */
 static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64_t p1) {
     const ulb_weight *w = job->w;
     const ulb_gemm_kernel *k = job->gemm;
-    uint8_t *b = ulb_aligned_alloc((size_t)k->unpacked_bytes(w));
-    float *facc = ulb_aligned_alloc((size_t)k->tokens * ULB_PANEL_ROWS * sizeof(float));
-    if (!b || !facc) {
+    const size_t facc_bytes = (size_t)k->tokens * ULB_PANEL_ROWS * sizeof(float);
+    float *facc = ulb_aligned_alloc(facc_bytes + (size_t)k->scratch_bytes(w));
+    if (!facc) {
         atomic_store_explicit(&job->acts_status, ULB_ERR_NOMEM, memory_order_relaxed);
-        ulb_aligned_free(b);
-        ulb_aligned_free(facc);
         return;
     }
     k->begin(w);
     for (int64_t p = p0; p < p1; p++) {
         int64_t m0;
         const int64_t rows = panel_rows(w, p, p + 1, &m0);
-        k->unpack(w, p, b);
         for (int64_t n0 = 0; n0 < job->N; n0 += k->tokens) {
             const int nb = job->N - n0 < k->tokens ? (int)(job->N - n0) : k->tokens;
-            k->block(w, p, b, acts, n0, nb, facc, NULL);
+            k->panel(w, p, acts, n0, nb, (uint8_t *)facc + facc_bytes, facc, NULL);
             job->store(&job->out, facc, n0, nb, m0, rows);
         }
     }
     k->end();
-    ulb_aligned_free(b);
     ulb_aligned_free(facc);
 }
 
@@ -291,13 +287,13 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, 1, isa);
     const int lut = lut1_build != NULL;
     /* Tokens per kernel call; with a GEMM kernel a copy of xq as it reads it
-     * (xq_bytes_for) and the panel's unpacked codes. */
+     * (xq_bytes_for) and its scratch. */
     const int64_t nb_max = gemm ? gemm->tokens : ULB_NB_MAX;
     const size_t pd_bytes = (size_t)ulb_round_up(nb_max * G * ULB_PANEL_ROWS * (int64_t)sizeof(int32_t), 64);
     const size_t facc_bytes = (size_t)(nb_max * ULB_PANEL_ROWS) * sizeof(float);
     const size_t lut_bytes = lut ? (size_t)(N * w.ksteps * ULB_LUT1_STEP_BYTES) : 0;
     const size_t xq_bytes = gemm ? (size_t)ulb_round_up(xq_bytes_for(&w, N, gemm), 64) : 0;
-    const size_t b_bytes = gemm ? (size_t)gemm->unpacked_bytes(&w) : 0;
+    const size_t b_bytes = gemm ? (size_t)gemm->scratch_bytes(&w) : 0;
     int32_t *pd = ulb_aligned_alloc(pd_bytes + facc_bytes + lut_bytes + xq_bytes + b_bytes);
     if (!pd) return ULB_ERR_NOMEM;
     float *facc = (float *)((uint8_t *)pd + pd_bytes);
@@ -314,11 +310,10 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const ulb_acts acts = ulb_acts_of(&w, gemm ? xq_gemm : xq, xsum, lut1, 1);
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;
-        if (gemm) gemm->unpack(&w, p, b);
         for (int64_t n0 = 0; n0 < N; n0 += nb_max) {
             const int nb = N - n0 < nb_max ? (int)(N - n0) : (int)nb_max;
             if (gemm)
-                gemm->block(&w, p, b, &acts, n0, nb, facc, pd);
+                gemm->panel(&w, p, &acts, n0, nb, b, facc, pd);
             else
                 fn(&w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w.M_pad, p), &acts, n0, nb, facc, pd);
             for (int j = 0; j < nb; j++)

@@ -468,15 +468,16 @@ int main(void) {
         fails += check_bf16(70, Ks[b], Ks[b] + 3, 1);
         n++;
     }
-    /* Prefill sizes, which the AMX GEMM takes from 16 tokens on: a full block,
-     * a block and one token, two and a partial one; per-channel groups (the
-     * last k-block partial where K is not a multiple of 64), groups of 32
-     * (half a block) and 128 (two blocks). */
-    const int64_t gemm_Ns[] = {16, 17, 37};
+    /* Prefill sizes, which the AMX GEMM takes from 16 tokens on, 128 a call in
+     * tiles of 16: one tile, a tile and one token, two and a partial one, a
+     * full call and a partial second; per-channel groups (K = 4097: 65
+     * k-blocks, in chunks of 8, the last partial), groups of 32 (half a
+     * k-block) and 128 (two). */
+    const int64_t gemm_Ns[] = {16, 17, 37, 150};
     for (int f = 0; f < N_FORMS; f++)
         for (int a = 1; a < 5; a++)
         for (int b = 1; b < 5; b++)
-        for (int c = 0; c < 3; c++)
+        for (int c = 0; c < 4; c++)
         for (int d = 0; d < 3; d++) {
             if (Ms[a] * Ks[b] > 1000 * 300 && (c != 1 || d != 2)) continue;
             fails += check(FORMS[f].fmt, FORMS[f].tiles, Ms[a], Ks[b], gss[d], gemm_Ns[c]);
