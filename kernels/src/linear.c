@@ -177,7 +177,10 @@ static int64_t panel_rows(const ulb_weight *w, int64_t p0, int64_t p1, int64_t *
 }
 
 /* The calling thread's panels through the GEMM kernel, a block of tokens at
- * a time. */
+ * a time, every panel for one block before the next: a block's activations
+ * (128 x K bytes under AMX) then stay in L2 while the codes, a quarter as
+ * many bytes per column of a panel or fewer, are read again for each block.
+ * The other order ran N = 512 1.3x slower. */
 static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64_t p1) {
     const ulb_weight *w = job->w;
     const ulb_gemm_kernel *k = job->gemm;
@@ -188,11 +191,11 @@ static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64
         return;
     }
     k->begin(w);
-    for (int64_t p = p0; p < p1; p++) {
-        int64_t m0;
-        const int64_t rows = panel_rows(w, p, p + 1, &m0);
-        for (int64_t n0 = 0; n0 < job->N; n0 += k->tokens) {
-            const int nb = job->N - n0 < k->tokens ? (int)(job->N - n0) : k->tokens;
+    for (int64_t n0 = 0; n0 < job->N; n0 += k->tokens) {
+        const int nb = job->N - n0 < k->tokens ? (int)(job->N - n0) : k->tokens;
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t m0;
+            const int64_t rows = panel_rows(w, p, p + 1, &m0);
             k->panel(w, p, acts, n0, nb, (uint8_t *)facc + facc_bytes, facc, NULL);
             job->store(&job->out, facc, n0, nb, m0, rows);
         }
