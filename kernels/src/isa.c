@@ -49,14 +49,18 @@ int ulb_isa_supported(ulb_isa isa) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     case ULB_ISA_AVXVNNI:
-    case ULB_ISA_AMX:
-        /* VBMI too: the AMX kernel turns LANES tiles into VNNI ones with vpermb. */
-        pthread_once(&amx_once, amx_probe);
-        return amx_usable && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
 #ifdef ULB_EMULATE_AVXVNNI /* panel_avxvnni.c: vpdpbusd from AVX2, for tests */
         return ulb_isa_supported(ULB_ISA_AVX2);
 #else
         return ulb_isa_supported(ULB_ISA_AVX2) && __builtin_cpu_supports("avxvnni");
+#endif
+    case ULB_ISA_AMX:
+#if defined(__x86_64__)
+        /* VBMI too: the AMX kernel turns LANES tiles into VNNI ones with vpermb. */
+        pthread_once(&amx_once, amx_probe);
+        return amx_usable && ulb_isa_supported(ULB_ISA_AVX512) && __builtin_cpu_supports("avx512vbmi");
+#else
+        return 0;
 #endif
     }
     return 0;

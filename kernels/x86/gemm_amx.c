@@ -196,6 +196,9 @@ static void amx_panel(const ulb_weight *w, int64_t p, const ulb_acts *a, int64_t
             const int64_t c1 = c0 + AMX_CHUNK_BLOCKS < blocks ? c0 + AMX_CHUNK_BLOCKS : blocks;
             const int last = c1 == blocks;
             unpack_chunk_bits(w, group + nt * ULB_TILE_SCALE_BYTES, steps, nt, c0, c1, kblk, chunk);
+            /* GCC's _tile_loadd declares no memory read: without a barrier
+             * the chunk's stores could be moved past the tile loads. */
+            __asm__ volatile("" ::: "memory");
             /* In the group's last chunk, the step of each block of tokens
              * after the tiles of the next: the vector units work on one while
              * AMX works on the other (2x faster with groups of 128). */

@@ -483,9 +483,20 @@ int main(void) {
             fails += check(FORMS[f].fmt, FORMS[f].tiles, Ms[a], Ks[b], gss[d], gemm_Ns[c]);
             n++;
         }
+    /* Where the AMX GEMM's paths branch: panels of 2 and 4 tiles (M = 90,
+     * 100) over several chunks (K = 4097 per channel), and groups of 96
+     * (two k-blocks, the second partial, in every group). */
+    for (int f = 0; f < N_FORMS; f++)
+        for (int a = 0; a < 2; a++)
+            for (int c = 0; c < 2; c++) {
+                const int64_t M = a ? 100 : 90, N = c ? 37 : 17;
+                fails += check(FORMS[f].fmt, FORMS[f].tiles, M, 1100, 96, N);
+                fails += check(FORMS[f].fmt, FORMS[f].tiles, M, c ? 1100 : 4097, 0, N);
+                n += 2;
+            }
     /* int8 and int4 groups narrower than the 2-bit tile (and than 16 bytes,
      * the AMX GEMM's narrowest k-block) */
-    const int64_t narrow_Ns[] = {1, 2, 4, 5, 17};
+    const int64_t narrow_Ns[] = {1, 2, 4, 5, 37};
     for (int a = 1; a < 4; a++) for (int c = 0; c < 5; c++) {
         fails += check(ULB_FMT_INT8, ULB_TILES_VNNI, Ms[a], 257, 12, narrow_Ns[c]);
         fails += check(ULB_FMT_INT4, ULB_TILES_VNNI, Ms[a], 257, 24, narrow_Ns[c]);

@@ -48,7 +48,8 @@ typedef enum {
     ULB_FMT_TERNARY = 3,  /* levels {-1,0,1}:     q - 1, code 3 invalid */
     ULB_FMT_BINARY = 4,   /* levels {-1,1}:       2q - 1          */
     ULB_FMT_INT8 = 5,     /* levels -127..127:    q - 127, code 255 invalid (for layers kept near full
-                           * precision, such as lm_head) */
+                           * precision, such as lm_head); ulb_pack refuses it, and a blob that holds
+                           * one anyway (not checked on load) gives results that depend on the kernel */
     ULB_FMT_INT4 = 6      /* levels -8..7:        q - 8 (llama.cpp's Q4_0 levels) */
 } ulb_format;
 
