@@ -153,8 +153,8 @@ def main(argv=None):
                    help="also time GEMM at these token counts (default: shapes.json prefill_tokens); hot")
     p.add_argument("--no-gemv", action="store_true", help="skip the N=1 table (with --prefill)")
     p.add_argument("--isa", choices=ulbtorch.runtime.ISAS, help="force one kernel ISA")
-    p.add_argument("--bw-mib", type=int, default=max(512, common.COLD_MIB),
-                   help="buffer size of the read-bandwidth probe (MiB; default 512, or the cold rotation's if more)")
+    p.add_argument("--bw-mib", type=int, default=common.COLD_MIB,
+                   help=f"buffer size of the read-bandwidth probe (MiB; default {common.COLD_MIB}, as the rotations)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: smollm2-135m only, 3 reps, 64 MiB rotations (indicative numbers only)")
     p.add_argument("--json", help="write all rows as JSON here")

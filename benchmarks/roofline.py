@@ -201,8 +201,8 @@ def main(argv=None):
                    help=f"target size of each cold rotation (MiB; default {common.COLD_MIB}: 600, or 2.5x the L3)")
     p.add_argument("--min-rotate-mib", type=float, default=256, help="never rotate over less than this (MiB)")
     p.add_argument("--reps", type=int, default=15, help="timing samples per cold measurement (median)")
-    p.add_argument("--bw-mib", type=int, default=max(512, common.COLD_MIB),
-                   help="buffer size of the read-bandwidth probe (MiB; default 512, or the cold rotation's if more)")
+    p.add_argument("--bw-mib", type=int, default=common.COLD_MIB,
+                   help=f"buffer size of the read-bandwidth probe (MiB; default {common.COLD_MIB}, as the rotations)")
     p.add_argument("--png", help="write the plot here (default: no plot)")
     p.add_argument("--markdown", help="write the tables as markdown here")
     p.add_argument("--json", help="write all rows as JSON here")

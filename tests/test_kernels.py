@@ -364,15 +364,11 @@ def test_amx_gemm_beside_torch_matmul_on_the_same_threads(gen):
     with runtime.use_isa("scalar"):
         want = torch.ops.ulb.linear(x, blob, None, M)
     want_torch = torch.nn.functional.linear(x, w)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with runtime.use_isa("amx"):
-            for _ in range(4):
-                assert torch.equal(torch.ops.ulb.linear(x, blob, None, M), want)
-                assert torch.equal(torch.nn.functional.linear(x, w), want_torch)
-    finally:
-        torch.set_num_threads(prev)
+    torch.set_num_threads(2)  # conftest restores it
+    runtime.set_isa("amx")
+    for _ in range(4):
+        assert torch.equal(torch.ops.ulb.linear(x, blob, None, M), want)
+        assert torch.equal(torch.nn.functional.linear(x, w), want_torch)
 
 
 @pytest.mark.parametrize("isa", KERNELS)

@@ -125,12 +125,13 @@ ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1)
  * (ulb_gemm_for_isa): panel runs tokens [n0, n0 + nb) (nb <= tokens) through
  * panel p under the contract of ulb_panel_fn (facc: nb x 64 floats, dots as
  * there), with scratch_bytes(w) bytes of scratch (64-byte aligned). Its loads
- * may read activation rows up to round_up(N, tokens) and up to xq_slack
- * bytes past the end of the last, which the caller allocates (zeroed, so
- * that nothing reads undefined bytes; the codes they meet are zero). A
- * thread brackets its calls with begin (for w) and end. */
+ * read activation rows in tiles of tile_tokens, so up to round_up(N,
+ * tile_tokens), and up to xq_slack bytes past the end of the last, which the
+ * caller allocates (zeroed, so that nothing reads undefined bytes; the codes
+ * they meet are zero). A thread brackets its calls with begin (for w) and
+ * end. */
 typedef struct {
-    int tokens;
+    int tokens, tile_tokens;
     int64_t xq_slack;
     int64_t (*scratch_bytes)(const ulb_weight *w);
     void (*begin)(const ulb_weight *w);

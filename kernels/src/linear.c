@@ -56,9 +56,9 @@ static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
 }
 
 /* Bytes of int8 activations to allocate for N tokens: a GEMM kernel reads
- * whole blocks of tokens, and a little past the last (ulb_gemm_kernel). */
+ * whole tiles of tokens, and a little past the last (ulb_gemm_kernel). */
 static int64_t xq_bytes_for(const ulb_weight *w, int64_t N, const ulb_gemm_kernel *gemm) {
-    return gemm ? ulb_round_up(N, gemm->tokens) * w->K_pad + gemm->xq_slack : N * w->K_pad;
+    return gemm ? ulb_round_up(N, gemm->tile_tokens) * w->K_pad + gemm->xq_slack : N * w->K_pad;
 }
 
 /* Scratch for the int8 activations of N tokens, and with lut1_build the
