@@ -259,8 +259,18 @@ _READ_KERNELS = {
 }
 
 
+def in_hugepages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of tensors, back to back in one arena of 2 MiB pages
+    (ulbtorch.hugepages), for timing what the library's placement buys."""
+    from ulbtorch.hugepages import HugePageArena
+
+    arena = HugePageArena(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors))
+    return [arena.tensor(t) for t in tensors]
+
+
 def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = 512 * MiB, reps: int = 5,
-                           methods: Sequence[str] | None = None, verbose: bool = False) -> dict[int, dict]:
+                           methods: Sequence[str] | None = None, verbose: bool = False,
+                           hugepages: bool = False) -> dict[int, dict]:
     """DRAM read bandwidth (GB/s, 1e9 bytes/s) per thread count, in-process.
 
     Reads a size_bytes buffer (far larger than L3) with a few copy-free
@@ -274,6 +284,8 @@ def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = 51
     methods = list(methods or _READ_KERNELS)
     t = torch.empty(size_bytes // 8, dtype=torch.int64)
     t.fill_(1)  # touch every page
+    if hugepages:
+        t = in_hugepages([t])[0]
     buf = t.view(torch.uint8)
     out = {}
     for nt in threads:

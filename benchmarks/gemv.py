@@ -53,7 +53,7 @@ def random_codes_scales(M: int, K: int, fmt: str, group_size: int, gen: torch.Ge
 class OursRotation:
     """Distinct packed weights of one shape/format (raw blobs or nn modules)."""
 
-    def __init__(self, M, K, fmt, group_size, rotate_bytes, min_bytes, module, gen):
+    def __init__(self, M, K, fmt, group_size, rotate_bytes, min_bytes, module, gen, hugepages=False):
         self.M, self.K, self.fmt, self.module = M, K, fmt, module
         group_size = effective_group_size(group_size, K)
         bases = [random_codes_scales(M, K, fmt, group_size, gen) for _ in range(N_DISTINCT)]
@@ -68,6 +68,10 @@ class OursRotation:
                 self.items.append(copy.deepcopy(mods[len(self.items) % len(mods)]))
         else:
             self.items = common.replicate(blobs, self.count)
+        if hugepages and module:
+            ulbtorch.hugepages.move_to_hugepages(torch.nn.ModuleList(self.items))
+        elif hugepages:
+            self.items = common.in_hugepages(self.items)
         self.total_bytes = self.count * self.blob_bytes
 
     def call(self, x, how):
@@ -88,10 +92,11 @@ def blob_call(how, x, M):
     return lambda b: op(x, b, None, M)
 
 
-def bf16_rotation(M, K, rotate_bytes, min_bytes, gen):
+def bf16_rotation(M, K, rotate_bytes, min_bytes, gen, hugepages=False):
     bases = [torch.randn(M, K, generator=gen).to(torch.bfloat16) * 0.02 for _ in range(N_DISTINCT)]
     count = common.cold_rotation(M * K * 2, rotate_bytes, min_bytes)
-    return common.replicate(bases, count)
+    items = common.replicate(bases, count)
+    return common.in_hugepages(items) if hugepages else items
 
 
 def time_hot(fn, reps):
@@ -157,6 +162,10 @@ def main(argv=None):
                    help=f"buffer size of the read-bandwidth probe (MiB; default {common.COLD_MIB}, as the rotations)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: smollm2-135m only, 3 reps, 64 MiB rotations (indicative numbers only)")
+    p.add_argument("--hugepages", action="store_true",
+                   help="every buffer timed (our rotations, bf16's and the read probe's) in 2 MiB pages "
+                        "(ulbtorch.hugepages, where quantize_ puts a model's packed weights); default: where "
+                        "PyTorch allocates them, 4 KiB pages")
     p.add_argument("--json", help="write all rows as JSON here")
     p.add_argument("--markdown", help="write the tables as markdown here")
     args = p.parse_args(argv)
@@ -191,13 +200,14 @@ def main(argv=None):
     what = {"module": "LinearXBit.forward (module)", "op": "torch.ops.ulb.linear (dispatcher)",
             "eager": "runtime.eager_linear (the modules' eager call)"}[args.call]
     print(f"# ours: {what}, activations {args.act_dtype}; baseline: F.linear bf16; "
-          f"cold rotation ~{args.rotate_mib:.0f} MiB (>= {args.min_rotate_mib:.0f} MiB); median of {args.reps}")
+          f"cold rotation ~{args.rotate_mib:.0f} MiB (>= {args.min_rotate_mib:.0f} MiB); median of {args.reps}; "
+          f"{'every buffer in 2 MiB pages' if args.hugepages else '4 KiB pages (no --hugepages)'}")
 
     bw = {}
     if not args.no_gemv:
         print("# measuring DRAM read bandwidth ...")
         bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
-                                           verbose=True)
+                                           verbose=True, hugepages=args.hugepages)
     gen = torch.Generator().manual_seed(0)
     call_excess = {}  # format -> seconds an op call costs beyond a probe call (call_cost_excess)
     prev_threads = torch.get_num_threads()
@@ -230,10 +240,11 @@ def main(argv=None):
                 # -- GEMV, cold: bf16, every format and a read of each format's blobs,
                 # sampled in turn so that their ratios share the same DRAM moment.
                 if not args.no_gemv:
-                    wb = bf16_rotation(M, K, rotate_bytes, min_bytes, gen)
+                    wb = bf16_rotation(M, K, rotate_bytes, min_bytes, gen, args.hugepages)
                     xb = torch.randn(1, K, generator=gen).to(torch.bfloat16)
                     bf16_rot_mib = len(wb) * M * K * 2 / MiB
-                    rots = {fmt: OursRotation(M, K, fmt, args.group_size, rotate_bytes, min_bytes, args.module, gen)
+                    rots = {fmt: OursRotation(M, K, fmt, args.group_size, rotate_bytes, min_bytes, args.module, gen,
+                                              args.hugepages)
                             for fmt in formats}
                     x = torch.randn(1, K, generator=gen).to(act_dtype)
                     calls = {fmt: rot.call(x, args.call) for fmt, rot in rots.items()}

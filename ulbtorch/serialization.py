@@ -13,6 +13,7 @@ from torch import nn
 
 from . import ops
 from .formats import get_format
+from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
 
 MANIFEST = "ulbtorch.json"
@@ -46,12 +47,12 @@ def retile_for_this_cpu(layer: LowBitLinear) -> None:
             layer.packed = ops.retile(layer.packed, want)
 
 
-def load_quantized(model: nn.Module, directory: str) -> nn.Module:
+def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
     load all weights. `model` is the float architecture (e.g. from_config).
     1-bit weights are put in the tile order this CPU's kernels read fastest
     (ops.retile), so their bytes may differ from the saved ones; the weights
-    are the same."""
+    are the same. hugepages: as quantize_'s (ulbtorch.hugepages)."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: not a directory written by ulbtorch.save_quantized")
@@ -86,4 +87,6 @@ def load_quantized(model: nn.Module, directory: str) -> nn.Module:
     gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
     if gemv:
         bf16_gemv_(model, include=[glob.escape(n) for n in gemv])  # names, not patterns
+    if hugepages:
+        move_to_hugepages(model)
     return model

@@ -12,6 +12,7 @@ from __future__ import annotations
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import patterns
 from ..quantize import LM_HEAD, QuantConfig, quantize_
@@ -106,6 +107,7 @@ class UlbHfQuantizer(HfQuantizer):
                 retile_for_this_cpu(m)  # packed on a CPU that preferred the other 1-bit tile order
         if self.quantization_config.bf16_gemv:
             bf16_gemv_(model)
+        move_to_hugepages(model)  # as quantize_ does
         return model
 
     def is_serializable(self, **kwargs):

@@ -232,9 +232,12 @@ class LowBitLinear(nn.Module):
             if why:
                 error_msgs.append(f"{key}: {why}")
                 return
-            # The blob's size depends on the shape and format: resize, then let
-            # nn.Module copy it in as usual (checked above, so not through __setattr__).
-            self._buffers["packed"] = torch.empty_like(blob, device=self.packed.device)
+            # The blob's size depends on the shape and format: resize if it
+            # differs, then let nn.Module copy it in as usual (checked above, so
+            # not through __setattr__). A blob of the right size is written in
+            # place, so it stays where it is (ulbtorch.hugepages).
+            if self.packed.shape != blob.shape or self.packed.is_meta:
+                self._buffers["packed"] = torch.empty_like(blob, device=self.packed.device)
             self._dequant_cache = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

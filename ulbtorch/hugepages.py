@@ -1,0 +1,158 @@
+"""The weights ulbtorch's kernels stream, moved into 2 MiB pages.
+
+A one-token GEMV reads every byte of its weights once, in order. With 4 KiB
+pages that stream takes a TLB miss every 4 KiB, and under a hypervisor each
+miss is a two-level page walk: on the Xeon VM of benchmarks/results/xeon_amx a
+plain read of a 1200 MiB buffer ran 1.3-1.6x faster from 2 MiB pages and the
+cold 2-bit GEMV 1.15-1.35x (benchmarks/c/hugepages.c, benchmarks/gemv.py
+--hugepages). PyTorch's allocator gives huge pages only to tensors of 2 MiB and
+more, and only with THP_MEM_ALLOC_ENABLE=1; most packed matrices are smaller.
+
+So move_to_hugepages copies the packed weights of a model (and the bf16 weights
+of its LinearBF16 layers) into one private anonymous mapping advised
+MADV_HUGEPAGE (Linux transparent huge pages, "madvise" or "always" mode), in
+module order, and points each layer at its bytes. Every tensor keeps a storage
+of its own (torch.frombuffer), so state_dict, safetensors, torch.save and
+deepcopy treat them as before; the mapping lives while any of them does. Where
+the kernel has no transparent huge pages it does nothing.
+"""
+from __future__ import annotations
+
+import mmap
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # the kernels' tile loads
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"),
+    or None where there is none (not Linux, or no THP)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open(_THP_ENABLED) as f:
+            found = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def available() -> bool:
+    """Whether a mapping advised MADV_HUGEPAGE can get huge pages here."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+
+
+class HugePageArena:
+    """One private anonymous mapping of at least `nbytes` bytes from a 2 MiB
+    boundary, advised MADV_HUGEPAGE before any page is touched; tensor()
+    hands out its bytes in order."""
+
+    def __init__(self, nbytes: int):
+        if not available():
+            raise OSError(f"no transparent huge pages here (mode {thp_mode()!r} in {_THP_ENABLED})")
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        # The extra huge page: the mapping starts on a 4 KiB boundary only.
+        self._map = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map.madvise(mmap.MADV_HUGEPAGE)
+        self.address = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        self._start = (-self.address) % HUGE_PAGE
+        self._next = self._start
+        self.size = size
+
+    def tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of like's dtype and shape (contiguous) on the next bytes,
+        filled with like's values."""
+        nbytes = like.numel() * like.element_size()
+        offset = -(-self._next // _ALIGN) * _ALIGN
+        if offset + nbytes > self._start + self.size:
+            raise ValueError(f"arena of {self.size} bytes is full")
+        self._next = offset + nbytes
+        out = torch.frombuffer(self._map, dtype=like.dtype, count=like.numel(), offset=offset).view(like.shape)
+        return out.copy_(like)
+
+    def huge_bytes(self) -> int:
+        """Bytes of the arena the kernel backs with huge pages now
+        (AnonHugePages of its mappings in /proc/self/smaps)."""
+        lo, hi = self.address, self.address + self.size + HUGE_PAGE
+        total, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+                if head:
+                    start, end = int(head.group(1), 16), int(head.group(2), 16)
+                    inside = start < hi and end > lo
+                elif inside and line.startswith("AnonHugePages:"):
+                    total += int(line.split()[1]) * 1024
+        return total
+
+
+@dataclass
+class HugePageReport:
+    tensors: int = 0     # tensors moved
+    nbytes: int = 0      # their bytes
+    huge_bytes: int = 0  # bytes of the arena in huge pages after the copy
+    mode: str | None = None  # thp_mode()
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        if not self.tensors:
+            return f"weights left in place (transparent huge pages: {self.mode})"
+        return (f"{self.tensors} weights ({self.nbytes / mib:.1f} MiB) moved to one arena, backed by "
+                f"{self.huge_bytes // HUGE_PAGE} pages of 2 MiB (transparent huge pages: {self.mode})")
+
+
+def _streamed_weights(model: nn.Module, plain_linears: bool) -> list[tuple[dict, str]]:
+    """(the dict that holds it, key) of every tensor the kernels stream: the
+    packed buffer of each low-bit layer and the bf16 weight of each
+    LinearBF16 (with plain_linears, the weight of every nn.Linear), CPU and
+    contiguous, each once (tied weights are one)."""
+    from .nn import LinearBF16, LowBitLinear
+
+    found, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, LowBitLinear):
+            holder, key = m._buffers, "packed"
+        elif (isinstance(m, LinearBF16) and m.weight.dtype == torch.bfloat16) or (
+                plain_linears and type(m) is nn.Linear):
+            holder, key = m._parameters, "weight"
+        else:
+            continue
+        t = holder[key]
+        if t is None or not t.is_cpu or not t.is_contiguous() or id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        found.append((holder, key))
+    return found
+
+
+def move_to_hugepages(model: nn.Module, *, plain_linears: bool = False) -> HugePageReport:
+    """Copy the weights ulbtorch streams (see the module doc) into one arena
+    of 2 MiB pages, in module order, and point the layers at the copies; the
+    old tensors are freed unless referenced elsewhere. Results are unchanged
+    bit for bit. plain_linears: the weights of plain nn.Linear layers too (a
+    bf16 model compared in the same pages). A no-op (report.tensors == 0)
+    without transparent huge pages. A deep copy of the model is in ordinary
+    pages again (torch copies tensors into new storage)."""
+    report = HugePageReport(mode=thp_mode())
+    targets = _streamed_weights(model, plain_linears)
+    if not targets or not available():
+        return report
+    sizes = [-(-h[k].numel() * h[k].element_size() // _ALIGN) * _ALIGN for h, k in targets]
+    arena = HugePageArena(sum(sizes))
+    with torch.no_grad():
+        for holder, key in targets:
+            old = holder[key]
+            new = arena.tensor(old)
+            if isinstance(old, nn.Parameter):
+                old.data = new  # the same Parameter: tied weights and optimizers still see it
+            else:
+                holder[key] = new
+    report.tensors, report.nbytes, report.huge_bytes = len(targets), sum(sizes), arena.huge_bytes()
+    return report
