@@ -181,10 +181,9 @@ def main(argv=None):
     p.add_argument("--thread-pool", choices=["torch", "ulb"], default="torch",
                    help="where ulbtorch's parallel regions run: PyTorch's intra-op threads (default) "
                         "or ulbtorch's own pool")
-    p.add_argument("--pages", choices=["huge", "4k", "both"], default="huge",
-                   help="where the weights live: huge (quantize_'s default: the packed weights in 2 MiB pages, "
-                        "ulbtorch.hugepages; bf16 where PyTorch allocates it), 4k (quantize_(hugepages=False)), "
-                        "both (every variant, bf16 included, in 4 KiB and in 2 MiB pages, same run)")
+    p.add_argument("--no-hugepages", action="store_true",
+                   help="quantize_(..., hugepages=False): packed weights left where PyTorch allocates them "
+                        "(default: quantize_ moves them into 2 MiB pages; benchmarks/hugepages.py times both)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke test: 1 layer, vocab 32000, 8 tokens, 1 rep")
     p.add_argument("--json", help="write results as JSON here")
@@ -240,10 +239,7 @@ def main(argv=None):
     ids = torch.randint(3, cfg["vocab_size"], (1, args.prompt_len), generator=gen)
 
     # lm_head stock here; --bf16-gemv adds each variant again with quantize_'s default (lm_head on the GEMV).
-    qcfg_kw = dict(group_size=args.group_size, bf16_gemv=False)
-    page_kinds = {"huge": [True], "4k": [False], "both": [False, True]}[args.pages]
-    all_huge = args.pages == "both"  # then every linear weight of a 2 MiB-page variant is there
-    page_tag = (lambda huge: " 2M pages" if huge else " 4K pages") if args.pages == "both" else (lambda huge: "")
+    qcfg_kw = dict(group_size=args.group_size, bf16_gemv=False, hugepages=not args.no_hugepages)
     if args.quantize_lm_head:
         qcfg_kw["exclude"] = []
 
@@ -256,13 +252,13 @@ def main(argv=None):
                                f"{torch.get_num_threads()} threads", min_widths=dict(variant=28))
     results = {}
 
-    def run_variant(name, model, huge=False):
+    def run_variant(name, model):
         t_full, t_one, out = time_decode(model, ids, args.tokens, args.reps)
         dec = (t_full - t_one) / max(1, args.tokens - 1) if args.tokens > 1 else float("nan")
         r = dict(variant=name, mib=model_bytes(model) / 2**20, t_generate_s=t_full, t_prefill_plus1_s=t_one,
                  tok_s=args.tokens / t_full, decode_tok_s=1.0 / dec if dec > 0 else float("nan"),
                  ms_tok=1e3 * t_full / args.tokens, ttft_ms=1e3 * t_one)
-        ref = results.get("bf16" + page_tag(huge))  # the baseline in the same pages
+        ref = results.get("bf16")
         r["speedup"] = r["tok_s"] / ref["tok_s"] if ref else 1.0
         r["decode_speedup"] = r["decode_tok_s"] / ref["decode_tok_s"] if ref else 1.0
         # The prompt's forward (prefill, a GEMM per layer) and the first token.
@@ -271,18 +267,18 @@ def main(argv=None):
         table.add(r, echo=True)
         return out
 
-    def run_compiled(name, model, huge=False):
+    def run_compiled(name, model):
         if not args.compile:
             return
         try:
-            m = copy.deepcopy(model)  # a deep copy leaves the 2 MiB pages: move it back
-            if huge:
-                ulbtorch.hugepages.move_to_hugepages(m, plain_linears=all_huge)
+            m = copy.deepcopy(model)
+            if not args.no_hugepages:  # a deep copy is in 4 KiB pages again
+                ulbtorch.hugepages.move_to_hugepages(m)
             try_compile(m)
             t0 = time.perf_counter()
             generate(m, ids, args.tokens)  # compiles
             print(f"  (torch.compile warmup of {name}: {time.perf_counter() - t0:.1f} s)")
-            run_variant(name + " +compile", m, huge)
+            run_variant(name + " +compile", m)
         except Exception as e:  # noqa: BLE001
             print(f"  torch.compile of {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             results[name + " +compile"] = dict(variant=name + " +compile", error=f"{type(e).__name__}: {e}"[:2000])
@@ -294,18 +290,8 @@ def main(argv=None):
 
     # -- bf16 baseline ----------------------------------------------------------------
     sel = QuantConfig(bits=2, **{k: v for k, v in qcfg_kw.items() if k == "exclude"})
-    ref_out = run_variant("bf16" + page_tag(False), base)
-    run_compiled("bf16" + page_tag(False), base)
-    if args.pages == "both":  # the baseline's own weights in 2 MiB pages too
-        hb = copy.deepcopy(base)
-        print(f"  bf16: {ulbtorch.hugepages.move_to_hugepages(hb, plain_linears=True)}")
-        r4k = results["bf16" + page_tag(False)]
-        run_variant("bf16" + page_tag(True), hb, True)
-        r2m = results["bf16" + page_tag(True)]
-        print(f"  bf16 in 2 MiB pages: {r2m['tok_s'] / r4k['tok_s']:.2f}x its tok/s in 4 KiB pages")
-        run_compiled("bf16" + page_tag(True), hb, huge=True)
-        del hb
-        gc.collect()
+    ref_out = run_variant("bf16", base)
+    run_compiled("bf16", base)
     prof = {}
     if args.profile:
         cls_bf16 = lambda n, m: (("quantizable" if sel.selects(n) else "other_linear")  # noqa: E731
@@ -319,26 +305,17 @@ def main(argv=None):
         gc.collect()
 
     # -- quantized variants -----------------------------------------------------------
-    def quantized(fmt, method, huge, **kw):
-        """quantize_ of a copy of the bf16 model, in 2 MiB pages if huge: as
-        quantize_ places it, or with --pages both all its linear weights
-        (lm_head too), as the bf16 baseline's are then."""
-        qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, hugepages=False, **qcfg_kw, **kw)
-        if huge:
-            ulbtorch.hugepages.move_to_hugepages(qm, plain_linears=all_huge)
-        return qm
-
-    for fmt, huge in [(f, h) for f in formats for h in page_kinds]:
-        name = f"ulb {fmt}{page_tag(huge)}"
+    for fmt in formats:
+        name = f"ulb {fmt}"
         t0 = time.perf_counter()
         method = method_for(fmt)
-        qm = quantized(fmt, method, huge)
+        qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, **qcfg_kw)
         n_low = sum(isinstance(m, LowBitLinear) for m in qm.modules())
-        print(f"  quantize_({fmt}, method={method or 'library default'}, hugepages={huge}): {n_low} layers, "
+        print(f"  quantize_({fmt}, method={method or 'library default'}): {n_low} layers, "
               f"{time.perf_counter() - t0:.1f} s")
-        out = run_variant(name, qm, huge)
+        out = run_variant(name, qm)
         results[name]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
-        run_compiled(name, qm, huge)
+        run_compiled(name, qm)
         if args.profile:
             cls_q = lambda n, m: ("ulb" if isinstance(m, LowBitLinear)  # noqa: E731
                                   else "other_linear" if type(m) is nn.Linear else None)
@@ -346,34 +323,34 @@ def main(argv=None):
             prof[name] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
         if args.bf16_gemv:
             ulbtorch.bf16_gemv_(qm)
-            if huge:
-                ulbtorch.hugepages.move_to_hugepages(qm, plain_linears=all_huge)
-            out = run_variant(name + " +bf16 gemv", qm, huge)
+            if not args.no_hugepages:  # the LinearBF16 weights too, as quantize_'s default would
+                ulbtorch.hugepages.move_to_hugepages(qm)
+            out = run_variant(name + " +bf16 gemv", qm)
             results[name + " +bf16 gemv"]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
-            run_compiled(name + " +bf16 gemv", qm, huge)
+            run_compiled(name + " +bf16 gemv", qm)
         del qm
         gc.collect()
         for head_bits, head_gs in args.lm_head_bits:
             vname = f"{name}{head_variant(head_bits, head_gs)}"
-            qm = quantized(fmt, method, huge, lm_head_bits=head_bits, lm_head_group_size=head_gs)
-            out = run_variant(vname, qm, huge)
+            qm = ulbtorch.quantize_(copy.deepcopy(base), format=fmt, method=method, lm_head_bits=head_bits,
+                                    lm_head_group_size=head_gs, **qcfg_kw)
+            out = run_variant(vname, qm)
             results[vname]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
-            run_compiled(vname, qm, huge)
+            run_compiled(vname, qm)
             del qm
             gc.collect()
 
     # -- report ---------------------------------------------------------------------------
     notes = []
     print()
-    for fmt, huge, v in [(f, h, v) for f in formats for h in page_kinds
-                         for v in ["", " +bf16 gemv"] + [head_variant(b, gs) for b, gs in args.lm_head_bits]]:
-        name, ref = f"ulb {fmt}{page_tag(huge)}{v}", results["bf16" + page_tag(huge)]
+    for name in [f"ulb {fmt}{v}" for fmt in formats
+                 for v in ["", " +bf16 gemv"] + [head_variant(b, gs) for b, gs in args.lm_head_bits]]:
         if name not in results:
             continue
         r = results[name]
-        line = (f"{name[4:]}: {r['tok_s']:.2f} tok/s vs bf16{page_tag(huge)} {ref['tok_s']:.2f} -> "
-                f"{r['speedup']:.2f}x end to end ({r['decode_speedup']:.2f}x decode only); weights "
-                f"{ref['mib']:.0f} -> {r['mib']:.0f} MiB")
+        line = (f"{name[4:]}: {r['tok_s']:.2f} tok/s vs bf16 {results['bf16']['tok_s']:.2f} -> {r['speedup']:.2f}x "
+                f"end to end ({r['decode_speedup']:.2f}x decode only); weights {results['bf16']['mib']:.0f} -> "
+                f"{r['mib']:.0f} MiB")
         print(line)
         notes.append(line)
     if args.compile:
@@ -394,8 +371,8 @@ def main(argv=None):
                              ("bound_meas", "bound@meas.", ".2f"), ("measured_hooked", "measured x (hooked)", ".2f"),
                              ("measured", "measured x", ".2f")],
                             title="Amdahl: bound = 1/((1-f)+f/s)", min_widths=dict(variant=22))
-        for name in [n for n in prof if n != "bf16"]:
-            fmt = name.split()[1]
+        for fmt in formats:
+            name = f"ulb {fmt}"
             q = prof[name]
             s_bytes = 16 / common.FORMAT_BITS[fmt]
             s_lin = b.get("quantizable_s", 0.0) / q["ulb_s"] if q.get("ulb_s") else float("nan")

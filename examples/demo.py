@@ -7,8 +7,10 @@ What it does, step by step:
   2. times greedy decoding in bf16,
   3. ulbtorch.quantize_(copy, bits=2, bf16_gemv=False): every nn.Linear
      except lm_head becomes a 2-bit layer running ulbtorch's C kernels; times
-     decoding again, then once more with ulbtorch.bf16_gemv_ (the bf16 lm_head
-     on ulbtorch's GEMV), which quantize_ does by default, and with
+     decoding again (quantize_ moves the packed weights into 2 MiB pages, see
+     ulbtorch.hugepages), then once more with ulbtorch.bf16_gemv_ (the bf16
+     lm_head on ulbtorch's GEMV, its weight moved there too), which quantize_
+     does by default, and with
      lm_head_bits=8 (lm_head packed to int8, half its bytes) and
      lm_head_bits=4, lm_head_group_size=32 (int4, a quarter plus scales),
   4. checks fidelity: the C kernels against ulbtorch's pure-PyTorch reference
@@ -131,6 +133,9 @@ def main():
     tps_q, _ = decode_tokens_per_s(qmodel, prompt, args.tokens)
     print(f"    quantized greedy decode: {tps_q:6.1f} tokens/s  ->  speed-up {tps_q / tps_bf16:.2f}x over bf16")
     ulbtorch.bf16_gemv_(qmodel)  # the bf16 lm_head: one-token calls on ulbtorch's bf16 GEMV
+    # quantize_ put the packed weights in 2 MiB pages; by default it would have put lm_head's there too
+    placed = ulbtorch.hugepages.move_to_hugepages(qmodel)
+    print(f"    ulbtorch.hugepages.move_to_hugepages(model), as quantize_ does by default: {placed}")
     tps_g, _ = decode_tokens_per_s(qmodel, prompt, args.tokens)
     print(f"    + ulbtorch.bf16_gemv_(model), lm_head (still bf16) on ulbtorch's bf16 GEMV, as quantize_ does by "
           f"default: {tps_g:6.1f} tokens/s"

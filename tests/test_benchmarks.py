@@ -28,6 +28,15 @@ RUNS = {
     "op_overhead": (["op_overhead.py", "--shapes", "512x512", "--threads", "2", "--reps", "2"], "512x512"),
     "decode": (["decode.py", "--quick", "--shapes", "{shapes}"], "tok/s"),
 }
+try:
+    from ulbtorch import hugepages as _hugepages
+    _THP = _hugepages.available()
+except ImportError:
+    _THP = False
+if _THP:  # the same buffers and models in 2 MiB pages
+    RUNS["gemv_hugepages"] = (["gemv.py", "--quick", "--threads", "2", "--formats", "int2_sym", "--hugepages",
+                               "--shapes", "{shapes}"], "every buffer in 2 MiB pages")
+    RUNS["hugepages"] = (["hugepages.py", "--quick", "--shapes", "{shapes}"], "decode, 2 MiB / 4 KiB pages")
 
 
 @pytest.fixture(scope="module")

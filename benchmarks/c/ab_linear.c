@@ -72,7 +72,7 @@ int main(int argc, char **argv) {
     uint8_t **rot[2];
     const bench_pack_fn packs[2] = {A_ulb_pack, B_ulb_pack};
     const int64_t sizes[2] = {nbytes, nbytes_b};
-    if (bench_cold_blobs(2, packs, sizes, fmt, fi->max_code, M, K, 0, rot, &n)) return 2;
+    if (bench_cold_blobs(2, packs, sizes, fmt, fi->max_code, M, K, bench_page_advice(), rot, &n)) return 2;
     uint8_t **blobs = rot[0], **blobs_b = rot[1];
     const ulb_dtype dt = getenv("AB_BF16") ? ULB_DT_BF16 : ULB_DT_F32;
     const size_t esize = dt == ULB_DT_F32 ? 4 : 2;
