@@ -170,3 +170,15 @@ def test_thp_mode_reads_the_bracketed_word(monkeypatch, tmp_path):
     assert hugepages.thp_mode() == "never" and not hugepages.available()
     monkeypatch.setattr(hugepages, "_THP_ENABLED", str(tmp_path / "missing"))
     assert hugepages.thp_mode() is None
+
+
+@needs_thp
+def test_moved_under_inference_mode_still_runs_with_autograd():
+    # A LinearBF16 weight swapped for an inference tensor could not be used
+    # by autograd afterwards (F.linear saves it for backward).
+    model = tiny_llama()
+    with torch.inference_mode():
+        ulbtorch.quantize_(model, bits=2)
+    assert not model.lm_head.weight.is_inference() and not streamed(model)[0].is_inference()
+    out = model(ids()).logits  # raised "Inference tensors cannot be saved for backward"
+    assert out.grad_fn is not None

@@ -147,7 +147,8 @@ def move_to_hugepages(model: nn.Module, *, plain_linears: bool = False) -> HugeP
         return report
     sizes = [-(-h[k].numel() * h[k].element_size() // _ALIGN) * _ALIGN for h, k in targets]
     arena = HugePageArena(sum(sizes))
-    with torch.no_grad():
+    # Ordinary tensors even under inference_mode: the model may run with autograd later.
+    with torch.inference_mode(False), torch.no_grad():
         for holder, key in targets:
             old = holder[key]
             new = arena.tensor(old)
