@@ -192,7 +192,7 @@ ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *o
     for (int64_t p = 0; p < ulb_weight_npanels(&w); p++) {
         const int nt = ulb_panel_ntiles(w.M_pad, p);
         for (int64_t gi = 0; gi < w.n_groups; gi++) {
-            const int64_t steps = gi + 1 < w.n_groups ? w.gsteps : w.ksteps - gi * w.gsteps;
+            const int64_t steps = ulb_group_steps(&w, gi);
             const int64_t codes = ulb_group_base(&w, p, nt, gi) + nt * ULB_TILE_SCALE_BYTES - blob;
             for (int64_t t = 0; t < steps * nt; t++) {
                 const uint8_t *src = blob + codes + t * ULB_TILE_BYTES;

@@ -58,6 +58,12 @@ static inline const uint8_t *ulb_weight_panels_end(const ulb_weight *w, int64_t 
     return w->panels + ulb_panels_end(w->M_pad, w->ksteps, w->n_groups, p);
 }
 
+/* K-steps in group g: gsteps, or fewer in the last group. */
+static inline int64_t ulb_group_steps(const ulb_weight *w, int64_t g) {
+    const int64_t left = w->ksteps - g * w->gsteps;
+    return left < w->gsteps ? left : w->gsteps;
+}
+
 /* Group g of panel p (nt tiles): its scales, nt x 16 fp32, then its codes. */
 static inline const uint8_t *ulb_group_base(const ulb_weight *w, int64_t p, int nt, int64_t g) {
     return w->panels + ulb_panel_offset(w->ksteps, w->n_groups, p) + ulb_group_offset(nt, w->gsteps, g);

@@ -296,15 +296,15 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const size_t facc_bytes = (size_t)(nb_max * ULB_PANEL_ROWS) * sizeof(float);
     const size_t lut_bytes = lut ? (size_t)(N * w.ksteps * ULB_LUT1_STEP_BYTES) : 0;
     const size_t xq_bytes = gemm ? (size_t)ulb_round_up(xq_bytes_for(&w, N, gemm), 64) : 0;
-    const size_t b_bytes = gemm ? (size_t)gemm->scratch_bytes(&w) : 0;
-    int32_t *pd = ulb_aligned_alloc(pd_bytes + facc_bytes + lut_bytes + xq_bytes + b_bytes);
+    const size_t scratch_bytes = gemm ? (size_t)gemm->scratch_bytes(&w) : 0;
+    int32_t *pd = ulb_aligned_alloc(pd_bytes + facc_bytes + lut_bytes + xq_bytes + scratch_bytes);
     if (!pd) return ULB_ERR_NOMEM;
     float *facc = (float *)((uint8_t *)pd + pd_bytes);
     uint8_t *lut1 = lut ? (uint8_t *)facc + facc_bytes : NULL;
     for (int64_t n = 0; lut && n < N; n++)
         lut1_build(xq + n * w.K_pad, w.ksteps, lut1 + n * w.ksteps * ULB_LUT1_STEP_BYTES);
     int8_t *xq_gemm = gemm ? (int8_t *)facc + facc_bytes + lut_bytes : NULL;
-    uint8_t *b = gemm ? (uint8_t *)xq_gemm + xq_bytes : NULL;
+    uint8_t *scratch = gemm ? (uint8_t *)xq_gemm + xq_bytes : NULL;
     if (gemm) {
         memcpy(xq_gemm, xq, (size_t)(N * w.K_pad));
         memset(xq_gemm + N * w.K_pad, 0, xq_bytes - (size_t)(N * w.K_pad));
@@ -316,7 +316,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
         for (int64_t n0 = 0; n0 < N; n0 += nb_max) {
             const int nb = N - n0 < nb_max ? (int)(N - n0) : (int)nb_max;
             if (gemm)
-                gemm->panel(&w, p, &acts, n0, nb, b, facc, pd);
+                gemm->panel(&w, p, &acts, n0, nb, scratch, facc, pd);
             else
                 fn(&w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w.M_pad, p), &acts, n0, nb, facc, pd);
             for (int j = 0; j < nb; j++)

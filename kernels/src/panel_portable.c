@@ -87,7 +87,7 @@ void ulb_panel_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ul
     for (int64_t g = 0; g < w->n_groups; g++) {
         const uint8_t *base = ulb_group_base(w, p, ntiles, g);
         const uint8_t *codes = base + ntiles * ULB_TILE_SCALE_BYTES;
-        const int64_t ks0 = g * w->gsteps, ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        const int64_t ks0 = g * w->gsteps, ks1 = ks0 + ulb_group_steps(w, g);
         for (int j = 0; j < nb; j++) {
             int32_t lanes[ULB_PANEL_TILES][LANES];
             memset(lanes, 0, sizeof lanes);

@@ -188,7 +188,7 @@ static void amx_panel(const ulb_weight *w, int64_t p, const ulb_acts *a, int64_t
     for (int j = 0; j < nb; j++) memset(facc + j * ULB_PANEL_ROWS, 0, (size_t)nt * ULB_TILE * sizeof(float));
     for (int64_t g = 0; g < w->n_groups; g++) {
         const uint8_t *group = ulb_group_base(w, p, nt, g);
-        const int64_t ks0 = g * w->gsteps, steps = (ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps) - ks0;
+        const int64_t steps = ulb_group_steps(w, g);
         const int64_t blocks = (steps * ulb_tile_k(w->bits) + kblk - 1) / kblk;
         const float *scales = (const float *)group;
         /* A group of one chunk needs the sums of two blocks of tokens at a

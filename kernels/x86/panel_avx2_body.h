@@ -194,7 +194,7 @@ ALWAYS_INLINE void tiles_body(const ulb_weight *w, const int64_t *ps, const int 
 
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
-        const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        const int64_t ks1 = ks0 + ulb_group_steps(w, g);
         const float *scales[ULB_PANEL_PAIR];
         const uint8_t *codes[ULB_PANEL_PAIR];
 #pragma GCC unroll 2

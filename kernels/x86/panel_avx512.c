@@ -117,7 +117,7 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
 
     for (int64_t g = 0; g < w->n_groups; g++) {
         const int64_t ks0 = g * w->gsteps;
-        const int64_t ks1 = ks0 + w->gsteps < w->ksteps ? ks0 + w->gsteps : w->ksteps;
+        const int64_t ks1 = ks0 + ulb_group_steps(w, g);
         const uint8_t *group = ulb_group_base(w, tile0 / ULB_PANEL_TILES, nt, g);
         const float *scales = (const float *)group;
         const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
