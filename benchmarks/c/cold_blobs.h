@@ -154,9 +154,6 @@ static inline int bench_pass(int what, uint8_t *const *blobs, int n, int64_t nby
     return 0;
 }
 
-/* The rotation of a tool that links one build (gemv_cold, read_widths): the
- * format and shape of `a` checked, then its ulb_pack'ed copies. NULL, with a
- * message, on failure. */
 /* The madvise advice of the tools' rotations: MADV_HUGEPAGE with env
  * ULB_BENCH_HUGEPAGES=1 (where ulbtorch.hugepages puts a model's weights),
  * else none (4 KiB pages unless THP is "always"). hugepages.c sets its own. */
@@ -165,6 +162,9 @@ static inline int bench_page_advice(void) {
     return env && atoi(env) ? MADV_HUGEPAGE : 0;
 }
 
+/* The rotation of a tool that links one build (gemv_cold, read_widths): the
+ * format and shape of `a` checked, then its ulb_pack'ed copies. NULL, with a
+ * message, on failure. */
 static inline uint8_t **bench_cold_blobs_of(const bench_shape *a, int64_t *nbytes, int *count) {
     const ulb_format_info *fi = ulb_format_get(a->format);
     *nbytes = ulb_packed_nbytes(a->format, a->M, a->K, 0);
