@@ -133,7 +133,8 @@ def main():
     tps_q, _ = decode_tokens_per_s(qmodel, prompt, args.tokens)
     print(f"    quantized greedy decode: {tps_q:6.1f} tokens/s  ->  speed-up {tps_q / tps_bf16:.2f}x over bf16")
     ulbtorch.bf16_gemv_(qmodel)  # the bf16 lm_head: one-token calls on ulbtorch's bf16 GEMV
-    # quantize_ put the packed weights in 2 MiB pages; by default it would have put lm_head's there too
+    # quantize_ put the packed weights in 2 MiB pages (by default it would have put lm_head's there too):
+    # moving the model again copies lm_head's weight only
     placed = ulbtorch.hugepages.move_to_hugepages(qmodel)
     print(f"    ulbtorch.hugepages.move_to_hugepages(model), as quantize_ does by default: {placed}")
     tps_g, _ = decode_tokens_per_s(qmodel, prompt, args.tokens)

@@ -117,6 +117,31 @@ def test_state_dict_save_load_and_deepcopy_after_the_move(tmp_path):
 
 
 @needs_thp
+def test_a_second_move_copies_only_what_is_not_in_an_arena():
+    model = ulbtorch.quantize_(tiny_llama(), bits=2, bf16_gemv=False)  # lm_head stays a plain nn.Linear
+    placed = [t.data_ptr() for t in streamed(model)]
+    assert len(placed) == 14 and all(hugepages.in_arena(t) for t in streamed(model))
+    want = logits_and_tokens(model)[0]
+    report = hugepages.move_to_hugepages(model, plain_linears=True)  # adds the bf16 lm_head
+    assert (report.tensors, report.already) == (1, 14) and "14 already" in str(report)
+    assert report.nbytes == model.lm_head.weight.numel() * 2
+    assert [t.data_ptr() for t in streamed(model)] == placed, "the packed weights did not move again"
+    assert hugepages.in_arena(model.lm_head.weight)
+    assert torch.equal(logits_and_tokens(model)[0], want)
+    again = hugepages.move_to_hugepages(model, plain_linears=True)
+    assert (again.tensors, again.already) == (0, 15) and "left in place" in str(again)
+    # a deep copy is in ordinary pages, so it moves whole; a freed arena is forgotten
+    twin = copy.deepcopy(model)
+    assert not any(hugepages.in_arena(t) for t in streamed(twin))
+    assert hugepages.move_to_hugepages(twin, plain_linears=True).tensors == 15
+    live = len(hugepages._live_arenas)
+    del model, twin
+    import gc
+    gc.collect()
+    assert len(hugepages._live_arenas) == live - 3  # the model's two arenas and the twin's
+
+
+@needs_thp
 def test_tied_lm_head_moves_once_and_stays_tied():
     model = ulbtorch.quantize_(tiny_llama(tie_word_embeddings=True), bits=2, hugepages=False)
     head, emb = model.lm_head, model.model.embed_tokens

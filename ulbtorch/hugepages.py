@@ -14,14 +14,18 @@ of its LinearBF16 layers) into one private anonymous mapping advised
 MADV_HUGEPAGE (Linux transparent huge pages, "madvise" or "always" mode), in
 module order, and points each layer at its bytes. Every tensor keeps a storage
 of its own (torch.frombuffer), so state_dict, safetensors, torch.save and
-deepcopy treat them as before; the mapping lives while any of them does. Where
-the kernel has no transparent huge pages it does nothing.
+deepcopy treat them as before; the mapping lives while any of them does.
+Weights already in an arena stay where they are, so moving a model again (to
+add a layer converted since) copies only the rest. Where the kernel has no
+transparent huge pages it does nothing.
 """
 from __future__ import annotations
 
 import mmap
+import itertools
 import re
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +34,9 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # the kernels' tile loads
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+# Address ranges [lo, hi) of the arenas alive, each dropped when its mapping is freed.
+_live_arenas: dict[int, tuple[int, int]] = {}
+_arena_ids = itertools.count()
 
 
 def thp_mode() -> str | None:
@@ -66,6 +73,9 @@ class HugePageArena:
         self._start = (-self.address) % HUGE_PAGE
         self._next = self._start
         self.size = size
+        key = next(_arena_ids)
+        _live_arenas[key] = (self.address, self.address + size + HUGE_PAGE)
+        weakref.finalize(self._map, _live_arenas.pop, key, None)
 
     def tensor(self, like: torch.Tensor) -> torch.Tensor:
         """A tensor of like's dtype and shape (contiguous) on the next bytes,
@@ -94,19 +104,27 @@ class HugePageArena:
         return total
 
 
+def in_arena(t: torch.Tensor) -> bool:
+    """Whether t's bytes lie in a HugePageArena of this process."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(lo <= ptr < hi for lo, hi in _live_arenas.values())
+
+
 @dataclass
 class HugePageReport:
     tensors: int = 0     # tensors moved
     nbytes: int = 0      # their bytes
     huge_bytes: int = 0  # bytes of the arena in huge pages after the copy
     mode: str | None = None  # thp_mode()
+    already: int = 0     # tensors found in an arena already, left there
 
     def __str__(self) -> str:
         mib = 1 << 20
+        kept = f"; {self.already} already in 2 MiB pages" if self.already else ""
         if not self.tensors:
-            return f"weights left in place (transparent huge pages: {self.mode})"
+            return f"weights left in place (transparent huge pages: {self.mode}{kept})"
         return (f"{self.tensors} weights ({self.nbytes / mib:.1f} MiB) moved to one arena, backed by "
-                f"{self.huge_bytes // HUGE_PAGE} pages of 2 MiB (transparent huge pages: {self.mode})")
+                f"{self.huge_bytes // HUGE_PAGE} pages of 2 MiB (transparent huge pages: {self.mode}{kept})")
 
 
 def _streamed_weights(model: nn.Module, plain_linears: bool) -> list[tuple[dict, str]]:
@@ -139,10 +157,14 @@ def move_to_hugepages(model: nn.Module, *, plain_linears: bool = False) -> HugeP
     old tensors are freed unless referenced elsewhere. Results are unchanged
     bit for bit. plain_linears: the weights of plain nn.Linear layers too (a
     bf16 model compared in the same pages). A no-op (report.tensors == 0)
-    without transparent huge pages. A deep copy of the model is in ordinary
-    pages again (torch copies tensors into new storage)."""
+    without transparent huge pages. Tensors already in an arena stay
+    (report.already). A deep copy of the model is in ordinary pages again
+    (torch copies tensors into new storage)."""
     report = HugePageReport(mode=thp_mode())
     targets = _streamed_weights(model, plain_linears)
+    placed = [in_arena(h[k]) for h, k in targets]
+    report.already = sum(placed)
+    targets = [t for t, p in zip(targets, placed) if not p]
     if not targets or not available():
         return report
     sizes = [-(-h[k].numel() * h[k].element_size() // _ALIGN) * _ALIGN for h, k in targets]
