@@ -8,6 +8,7 @@ than L3) and, with --gemv-shapes, the decode shapes of shapes.json.
   python benchmarks/gemv_bf16.py                      # lm_head of every config, 1 and 2 threads
   python benchmarks/gemv_bf16.py --gemv-shapes --models falcon3-1b
   python benchmarks/gemv_bf16.py --int8               # + the same matrices packed to int8 (lm_head_bits=8)
+  python benchmarks/gemv_bf16.py --hugepages          # every buffer in 2 MiB pages, where quantize_ puts them
   python benchmarks/gemv_bf16.py --packed int8,int4:32  # + int8, and int4 in groups of 32 (lm_head_bits=4,
                                                         #   lm_head_group_size=32)
 """
@@ -56,6 +57,9 @@ def main(argv=None):
                         "(what quantize_(..., lm_head_bits=8 or 4, lm_head_group_size=...) makes of lm_head), "
                         "through torch.ops.ulb.linear, each with a stream read of its blobs")
     p.add_argument("--int8", action="store_true", help="shorthand for --packed int8")
+    p.add_argument("--hugepages", action="store_true",
+                   help="every timed buffer in 2 MiB pages (ulbtorch.hugepages, where quantize_ puts LinearBF16 "
+                        "weights); default: where PyTorch allocates them, 4 KiB pages")
     p.add_argument("--reps", type=int, default=9, help="rounds of samples (median of per-round ratios)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--markdown", help="write the results table as markdown here")
@@ -93,6 +97,8 @@ def main(argv=None):
             nbytes = M * K * 2
             count = common.cold_rotation(nbytes)
             ws = common.replicate([torch.randn(M, K, generator=gen).to(torch.bfloat16)], count)
+            if args.hugepages:
+                ws = common.in_hugepages(ws)
             x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
             rotations = []
             for fmt, gs in packed:
@@ -101,7 +107,8 @@ def main(argv=None):
                 G = ulbtorch.formats.n_groups(ulbtorch.formats.normalize_group_size(gs, K, f), K)
                 blob = ulbtorch.ops.pack(codes, torch.rand(M, G, generator=gen) * 1e-3 + 1e-4, fmt, gs)
                 del codes
-                rotations.append(common.replicate([blob], common.cold_rotation(blob.numel())))
+                blobs = common.replicate([blob], common.cold_rotation(blob.numel()))
+                rotations.append(common.in_hugepages(blobs) if args.hugepages else blobs)
                 del blob
             for nt in threads:
                 torch.set_num_threads(nt)

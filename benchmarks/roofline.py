@@ -25,6 +25,7 @@ plotted (PNG, one panel per thread count).
   python benchmarks/roofline.py --quick                     # smoke test: falcon3-1b, 64 MiB rotations, 3 reps
   python benchmarks/roofline.py --png roofline.png --markdown roofline.md --json roofline.json
   python benchmarks/roofline.py --models llama3-8b --formats 2,1 --threads 2
+  python benchmarks/roofline.py --hugepages          # beta and the weights in 2 MiB pages, as quantize_ places them
 """
 from __future__ import annotations
 
@@ -203,6 +204,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=15, help="timing samples per cold measurement (median)")
     p.add_argument("--bw-mib", type=int, default=common.COLD_MIB,
                    help=f"buffer size of the read-bandwidth probe (MiB; default {common.COLD_MIB}, as the rotations)")
+    p.add_argument("--hugepages", action="store_true",
+                   help="beta's buffer and the cold rotations in 2 MiB pages (ulbtorch.hugepages, where quantize_ "
+                        "puts a model's packed weights), as gemv.py --hugepages; default: 4 KiB pages")
     p.add_argument("--png", help="write the plot here (default: no plot)")
     p.add_argument("--markdown", help="write the tables as markdown here")
     p.add_argument("--json", help="write all rows as JSON here")
@@ -246,7 +250,7 @@ def main(argv=None):
     # -- beta ----------------------------------------------------------------------
     print("# measuring DRAM read bandwidth (beta) ...")
     bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
-                                       verbose=True)
+                                       verbose=True, hugepages=args.hugepages)
     gen = torch.Generator().manual_seed(0)
 
     # -- gamma ---------------------------------------------------------------------
@@ -292,7 +296,7 @@ def main(argv=None):
         for model in models:
             for M, K in all_models[model]:
                 for fmt in formats:
-                    rot = OursRotation(M, K, fmt, 0, rotate_bytes, min_bytes, False, gen)
+                    rot = OursRotation(M, K, fmt, 0, rotate_bytes, min_bytes, False, gen, args.hugepages)
                     x = torch.randn(1, K, generator=gen).to(act_dtype)
                     call = rot.call(x, cold_call)
                     for nt in threads:
@@ -343,7 +347,8 @@ def main(argv=None):
         print("(--quick: small rotations and few reps; indicative only)")
 
     if args.png:
-        plot(args.png, cold.rows, threads, formats, bw, gammas, cold_isa, " (--quick)" if args.quick else "")
+        plot(args.png, cold.rows, threads, formats, bw, gammas, cold_isa,
+             (" (--quick)" if args.quick else "") + (", 2 MiB pages" if args.hugepages else ""))
     meta = dict(env=env, args=vars(args), read_bw={k: v["gbps"] for k, v in bw.items()}, cold_isa=cold_isa)
     common.write_outputs([gtab, cold], json_path=args.json, md_path=args.markdown, meta=meta, notes=notes)
 
