@@ -193,6 +193,10 @@ void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int 
  * ulb_isa_set chose. */
 ulb_isa ulb_isa_best(void);
 
+/* Whether this is an Intel CPU (detected once, at load): where a kernel or
+ * a prefetch distance was measured to pay off on one vendor only. */
+int ulb_cpu_intel(void);
+
 /* The read probe's loop over `words` 8-byte words at q, read as `streams`
  * interleaved runs of ulb_probe_run_words words (a line of each in turn),
  * then the tail, prefetching dist bytes ahead of each (0: none): their sum
@@ -253,6 +257,8 @@ void ulb_gemv_bf16_rows_ref(const uint16_t *w, int64_t ldw, int64_t K, int64_t r
                             float *out);
 void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                                float *out);
+void ulb_gemv_bf16_rows2_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                                float *out);
 void ulb_gemv_bf16_rows_avx2(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                              float *out);
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa);

@@ -71,10 +71,15 @@ int ulb_isa_supported(ulb_isa isa) {
 
 static _Atomic int active_isa = -1;
 static ulb_isa cpu_best = ULB_ISA_PORTABLE; /* set once by isa_init */
+static int cpu_intel;                          /* likewise */
 static _Atomic int lut1_on = 1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
 static void isa_init(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    cpu_intel = __builtin_cpu_is("intel");
+#endif
     if (ulb_isa_supported(ULB_ISA_AVX2)) cpu_best = ULB_ISA_AVX2;
     if (ulb_isa_supported(ULB_ISA_AVXVNNI)) cpu_best = ULB_ISA_AVXVNNI;
     if (ulb_isa_supported(ULB_ISA_AVX512)) cpu_best = ULB_ISA_AVX512;
@@ -92,6 +97,11 @@ static void isa_init(void) {
 ulb_isa ulb_isa_best(void) {
     pthread_once(&isa_once, isa_init);
     return cpu_best;
+}
+
+int ulb_cpu_intel(void) {
+    pthread_once(&isa_once, isa_init);
+    return cpu_intel;
 }
 
 ulb_isa ulb_isa_active(void) {
@@ -207,7 +217,7 @@ ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
     case ULB_ISA_AVX512:
-    case ULB_ISA_AMX: return ulb_gemv_bf16_rows_avx512;
+    case ULB_ISA_AMX: return ulb_cpu_intel() ? ulb_gemv_bf16_rows2_avx512 : ulb_gemv_bf16_rows_avx512;
     case ULB_ISA_AVX2:
     case ULB_ISA_AVXVNNI: return ulb_gemv_bf16_rows_avx2;
 #endif

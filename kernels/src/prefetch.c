@@ -45,7 +45,6 @@
 static const int WIDTHS[NWIDTHS] = {1, 2, 4, 8};
 
 static _Atomic int64_t setting[NWIDTHS]; /* bytes, or ULB_PREFETCH_AUTO */
-static int intel;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static int width_index(int bits) {
@@ -59,10 +58,6 @@ static int valid_setting(int64_t bytes) {
 }
 
 static void prefetch_init(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    intel = __builtin_cpu_is("intel");
-#endif
     for (int i = 0; i < NWIDTHS; i++) {
         int64_t d = ULB_PREFETCH_AUTO;
         char name[32];
@@ -100,7 +95,7 @@ int64_t ulb_prefetch_resolve_for(ulb_isa isa, int bits, int nthreads, int64_t gr
     if (ulb_prefetch_get(bits, &d) != ULB_OK) return 0;
     if (d != ULB_PREFETCH_AUTO) return d;
     if (bits == 1) return 16384;
-    if (intel || isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI) return 8192;
+    if (ulb_cpu_intel() || isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI) return 8192;
     return nthreads <= 1 && group_code_bytes <= SHORT_GROUP_BYTES ? 8192 : 0;
 }
 

@@ -1,13 +1,20 @@
-/* AVX-512 rows kernel of the one-token bf16 GEMV: a bf16 is the top half of
+/* AVX-512 rows kernels of the one-token bf16 GEMV: a bf16 is the top half of
  * an fp32, so a shift (even columns) and a mask (odd columns) widen 32
  * weights, and 32 activations, into two fp32 vectors each, fused-multiply-
- * added in the order of ref/gemv_bf16_ref.c. One row at a time keeps the
- * read one sequential stream; four accumulator sets hide the FMA latency.
- * The activations stay bf16 and are widened again for every row: as fp32
- * (4K bytes) they left L1 from K = 4096 on, and those L2 reads cut the
- * stream to 35-70% of DRAM speed (benchmarks/gemv_bf16.py). Two rows per
- * pass over them (two streams) ran at 40-60%: one core here streams well
- * only one sequential stream at a time. */
+ * added in the order of ref/gemv_bf16_ref.c; four accumulator sets hide the
+ * FMA latency. The activations stay bf16 and are widened again for every
+ * chunk: as fp32 (4K bytes) they left L1 from K = 4096 on, and those L2
+ * reads cut the stream to 35-70% of DRAM speed on Zen 4
+ * (benchmarks/gemv_bf16.py).
+ *
+ * How many rows to read at once depends on the CPU (isa.c picks):
+ * - one (ulb_gemv_bf16_rows_avx512): on Zen 4, one sequential stream read
+ *   92-100% of a stream read of lm_head, two rows per pass 40-60%;
+ * - two, half a block apart (ulb_gemv_bf16_rows2_avx512): on the Xeon VM of
+ *   benchmarks/results/xeon_amx one row read 73-84% of the probe, two
+ *   1.10-1.24x faster than one from 4 KiB pages and 1.02-1.13x from 2 MiB
+ *   pages (benchmarks/c/ab_builds.sh, format 16), three no better than two,
+ *   four (whose 32 accumulators spill) 1.03-1.07x. */
 #pragma GCC target("avx512f,avx512bw")
 #include <immintrin.h>
 
@@ -18,10 +25,11 @@ ALWAYS_INLINE void widen(__m512i v, __m512 *even, __m512 *odd) {
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
-ALWAYS_INLINE void chunk(const uint16_t *w, const uint16_t *x, __mmask32 valid, __m512 *e, __m512 *o) {
-    __m512 we, wo, xe, xo;
+/* 32 columns of w (64 bytes, or the columns in `valid`) against x widened
+ * to xe, xo, into sets e and o. */
+ALWAYS_INLINE void chunk(const uint16_t *w, __m512 xe, __m512 xo, __mmask32 valid, __m512 *e, __m512 *o) {
+    __m512 we, wo;
     widen(_mm512_maskz_loadu_epi16(valid, w), &we, &wo);
-    widen(_mm512_maskz_loadu_epi16(valid, x), &xe, &xo);
     *e = _mm512_fmadd_ps(we, xe, *e);
     *o = _mm512_fmadd_ps(wo, xo, *o);
 }
@@ -34,23 +42,57 @@ ALWAYS_INLINE float reduce16(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
 }
 
-void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
-                               float *out) {
+#define ROWS_LOCKSTEP_MAX 2
+
+/* Rows r, r + q, ..., r + (nr - 1) q (q = 0 with nr = 1), a 64-byte chunk of
+ * each in turn, each row's sums in the reference's order; x is widened once
+ * per chunk for all of them. */
+ALWAYS_INLINE void rows_lockstep(const uint16_t *w, int64_t ldw, int64_t K, int64_t q, const int nr,
+                                 const uint16_t *x, float *out) {
     const int64_t full = K / 32;
     const __mmask32 tail = (__mmask32)((1ull << (K % 32)) - 1);
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *wr = w + r * ldw;
-        __m512 e[ULB_BF16_SETS], o[ULB_BF16_SETS];
-        for (int s = 0; s < ULB_BF16_SETS; s++) e[s] = o[s] = _mm512_setzero_ps();
-        int64_t c = 0;
-        for (; c + ULB_BF16_SETS <= full; c += ULB_BF16_SETS)
+    __m512 e[ROWS_LOCKSTEP_MAX][ULB_BF16_SETS], o[ROWS_LOCKSTEP_MAX][ULB_BF16_SETS];
+    for (int j = 0; j < nr; j++)
+        for (int s = 0; s < ULB_BF16_SETS; s++) e[j][s] = o[j][s] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + ULB_BF16_SETS <= full; c += ULB_BF16_SETS)
 #pragma GCC unroll 4
-            for (int s = 0; s < ULB_BF16_SETS; s++)
-                chunk(wr + 32 * (c + s), x + 32 * (c + s), ~(__mmask32)0, &e[s], &o[s]);
-        for (; c < full; c++) chunk(wr + 32 * c, x + 32 * c, ~(__mmask32)0, &e[c % ULB_BF16_SETS], &o[c % ULB_BF16_SETS]);
-        if (tail) chunk(wr + 32 * c, x + 32 * c, tail, &e[c % ULB_BF16_SETS], &o[c % ULB_BF16_SETS]);
-        const __m512 se = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-        const __m512 so = _mm512_add_ps(_mm512_add_ps(o[0], o[1]), _mm512_add_ps(o[2], o[3]));
-        out[r] = reduce16(_mm512_add_ps(se, so));
+        for (int s = 0; s < ULB_BF16_SETS; s++) {
+            __m512 xe, xo;
+            widen(_mm512_loadu_si512(x + 32 * (c + s)), &xe, &xo);
+#pragma GCC unroll 2
+            for (int j = 0; j < nr; j++)
+                chunk(w + j * q * ldw + 32 * (c + s), xe, xo, ~(__mmask32)0, &e[j][s], &o[j][s]);
+        }
+    for (; c < full || (c == full && tail); c++) {
+        const __mmask32 valid = c < full ? ~(__mmask32)0 : tail;
+        __m512 xe, xo;
+        widen(_mm512_maskz_loadu_epi16(valid, x + 32 * c), &xe, &xo);
+#pragma GCC unroll 2
+        for (int j = 0; j < nr; j++)
+            chunk(w + j * q * ldw + 32 * c, xe, xo, valid, &e[j][c % ULB_BF16_SETS], &o[j][c % ULB_BF16_SETS]);
     }
+    for (int j = 0; j < nr; j++) {
+        const __m512 se = _mm512_add_ps(_mm512_add_ps(e[j][0], e[j][1]), _mm512_add_ps(e[j][2], e[j][3]));
+        const __m512 so = _mm512_add_ps(_mm512_add_ps(o[j][0], o[j][1]), _mm512_add_ps(o[j][2], o[j][3]));
+        out[j * q] = reduce16(_mm512_add_ps(se, so));
+    }
+}
+
+/* The first nr * (rows / nr) rows nr at a time, rows / nr apart; the rest one by one. */
+ALWAYS_INLINE void rows_in_lockstep(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                                    float *out, const int nr) {
+    const int64_t q = rows / nr;
+    for (int64_t r = 0; r < q; r++) rows_lockstep(w + r * ldw, ldw, K, q, nr, x, out + r);
+    for (int64_t r = nr * q; r < rows; r++) rows_lockstep(w + r * ldw, ldw, K, 0, 1, x, out + r);
+}
+
+void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                               float *out) {
+    rows_in_lockstep(w, ldw, K, rows, x, out, 1);
+}
+
+void ulb_gemv_bf16_rows2_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                                float *out) {
+    rows_in_lockstep(w, ldw, K, rows, x, out, 2);
 }
