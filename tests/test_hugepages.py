@@ -1,6 +1,7 @@
 """ulbtorch.hugepages: the streamed weights of a model moved into one arena of
 2 MiB pages, with outputs, state_dict, saving and copies unchanged."""
 import copy
+import gc
 import io
 import mmap
 
@@ -134,11 +135,14 @@ def test_a_second_move_copies_only_what_is_not_in_an_arena():
     twin = copy.deepcopy(model)
     assert not any(hugepages.in_arena(t) for t in streamed(twin))
     assert hugepages.move_to_hugepages(twin, plain_linears=True).tensors == 15
-    live = len(hugepages._live_arenas)
+    def arenas_of(m):
+        ptrs = [t.untyped_storage().data_ptr() for t in streamed(m)] + [m.lm_head.weight.data_ptr()]
+        return {key for key, (lo, hi) in hugepages._live_arenas.items() if any(lo <= p < hi for p in ptrs)}
+    keys = arenas_of(model) | arenas_of(twin)
+    assert len(keys) == 3  # the model's two arenas and the twin's
     del model, twin
-    import gc
     gc.collect()
-    assert len(hugepages._live_arenas) == live - 3  # the model's two arenas and the twin's
+    assert not keys & set(hugepages._live_arenas)
 
 
 @needs_thp

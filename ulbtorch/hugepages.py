@@ -21,8 +21,8 @@ transparent huge pages it does nothing.
 """
 from __future__ import annotations
 
-import mmap
 import itertools
+import mmap
 import re
 import sys
 import weakref
@@ -105,9 +105,14 @@ class HugePageArena:
 
 
 def in_arena(t: torch.Tensor) -> bool:
-    """Whether t's bytes lie in a HugePageArena of this process."""
+    """Whether t's bytes lie in a HugePageArena of this process. (A mapping
+    being freed on another thread may still be listed for a moment after its
+    addresses are reused: a tensor there is then taken as placed and stays
+    in 4 KiB pages, which costs speed, never results.)"""
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        return False
     ptr = t.untyped_storage().data_ptr()
-    return any(lo <= ptr < hi for lo, hi in _live_arenas.values())
+    return any(lo <= ptr < hi for lo, hi in tuple(_live_arenas.values()))
 
 
 @dataclass

@@ -193,7 +193,7 @@ void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int 
  * ulb_isa_set chose. */
 ulb_isa ulb_isa_best(void);
 
-/* Whether this is an Intel CPU (detected once, at load): where a kernel or
+/* Whether this is an Intel CPU (detected once, on first use): where a kernel or
  * a prefetch distance was measured to pay off on one vendor only. */
 int ulb_cpu_intel(void);
 

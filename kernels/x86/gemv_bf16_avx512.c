@@ -12,9 +12,10 @@
  *   92-100% of a stream read of lm_head, two rows per pass 40-60%;
  * - two, half a block apart (ulb_gemv_bf16_rows2_avx512): on the Xeon VM of
  *   benchmarks/results/xeon_amx one row read 73-84% of the probe, two
- *   1.10-1.24x faster than one from 4 KiB pages and 1.02-1.13x from 2 MiB
- *   pages (benchmarks/c/ab_builds.sh, format 16), three no better than two,
- *   four (whose 32 accumulators spill) 1.03-1.07x. */
+ *   1.10-1.24x faster than one from 4 KiB pages and 1.02-1.14x from 2 MiB
+ *   pages (benchmarks/c/ab_builds.sh, format 16; 1.02x on 1024x2048 on two
+ *   threads, 1.10-1.14x on 2048x2048 and the lm_heads), three no better
+ *   than two, four (whose 32 accumulators spill) 1.03-1.07x. */
 #pragma GCC target("avx512f,avx512bw")
 #include <immintrin.h>
 
@@ -42,16 +43,16 @@ ALWAYS_INLINE float reduce16(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
 }
 
-#define ROWS_LOCKSTEP_MAX 2
+#define ROWS_LOCKSTEP 2 /* rows2's nr, and the most rows_lockstep takes */
 
-/* Rows r, r + q, ..., r + (nr - 1) q (q = 0 with nr = 1), a 64-byte chunk of
- * each in turn, each row's sums in the reference's order; x is widened once
- * per chunk for all of them. */
+/* Rows r, r + q, ..., r + (nr - 1) q (q unused with nr = 1), a 64-byte chunk
+ * of each in turn, each row's sums in the reference's order; x is widened
+ * once per chunk for all of them. */
 ALWAYS_INLINE void rows_lockstep(const uint16_t *w, int64_t ldw, int64_t K, int64_t q, const int nr,
                                  const uint16_t *x, float *out) {
     const int64_t full = K / 32;
     const __mmask32 tail = (__mmask32)((1ull << (K % 32)) - 1);
-    __m512 e[ROWS_LOCKSTEP_MAX][ULB_BF16_SETS], o[ROWS_LOCKSTEP_MAX][ULB_BF16_SETS];
+    __m512 e[ROWS_LOCKSTEP][ULB_BF16_SETS], o[ROWS_LOCKSTEP][ULB_BF16_SETS];
     for (int j = 0; j < nr; j++)
         for (int s = 0; s < ULB_BF16_SETS; s++) e[j][s] = o[j][s] = _mm512_setzero_ps();
     int64_t c = 0;
@@ -94,5 +95,5 @@ void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_
 
 void ulb_gemv_bf16_rows2_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                                 float *out) {
-    rows_in_lockstep(w, ldw, K, rows, x, out, 2);
+    rows_in_lockstep(w, ldw, K, rows, x, out, ROWS_LOCKSTEP);
 }

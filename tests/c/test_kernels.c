@@ -482,6 +482,13 @@ int main(void) {
         fails += check_bf16(Ms[a], Ks[b], Ks[b] + (a % 2) * 5, 1 + b % 2);
         n++;
     }
+    /* K a multiple of the 32-column chunk (no tail, as every lm_head), a tail
+     * in accumulator set 3, and no columns at all. */
+    const int64_t bf16_Ks[4] = {32, 100, 2048, 0};
+    for (int b = 0; b < 4; b++) {
+        fails += check_bf16(67, bf16_Ks[b], bf16_Ks[b] + 3 * (b % 2), 1 + (b == 3));
+        n++;
+    }
     /* Blocks of 64 rows and of 6 (4 in lockstep and 2 alone in the AVX2 kernel,
      * 2 x 3 in the AVX-512 one that reads two rows at once). */
     for (int b = 0; b < 5; b++) {
