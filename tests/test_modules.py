@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from ulbtorch import ops
 from ulbtorch.formats import get_format, n_groups
 from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
+from ulbtorch import quantizers
 from ulbtorch.quantizers import _MSE_RATIOS, quantize_weight
 
 CLASS_FORMATS = [(Linear2Bit, "int2_sym"), (Linear2Bit, "int2"), (LinearTernary, "ternary"),
@@ -405,6 +406,32 @@ def test_symmetric_scales_keep_their_formula(gen, fmt):
     _, s = quantize_weight(w, fmt, 0, "channel", "mse")
     candidates = torch.cat([amax * (r / top) for r in _MSE_RATIOS.tolist()], dim=1)
     assert (s == candidates).any(dim=1).all()
+
+
+@pytest.mark.parametrize("fmt", ["int2_sym", "int2", "ternary"])
+@pytest.mark.parametrize("gs", [0, 32])
+def test_mse_search_picks_the_least_error(gen, fmt, gs, monkeypatch):
+    """The sorted prefix-sum search of the mse scale picks, per row or group,
+    the ratio whose quantised values have the least squared error, as
+    computed here the long way (every ratio, every element), the first one
+    on a tie (the all-zero row); also when the rows come a chunk at a time."""
+    f = get_format(fmt)
+    w = torch.randn(M_OUT, 320, generator=gen) * torch.rand(M_OUT, 1, generator=gen)  # rows of different spread
+    w[1::3, :3] *= 3  # outliers in some rows, so that clipping pays more there
+    w[0] = 0
+    monkeypatch.setattr(quantizers, "_MSE_CHUNK_ELEMENTS", 3 * 320)  # chunks of 3 rows, the last one short
+    _, s = quantize_weight(w, fmt, gs, "group" if gs else "channel", "mse")
+    wg = w.reshape(M_OUT, -1, gs or 320)
+    amax, outer, sign = quantizers._absmax_parts(wg, f)
+    cands = torch.cat([sign * (amax * (r / outer)) for r in _MSE_RATIOS.tolist()], dim=-1)
+    levels = [quantizers._codes_for(wg, cands[..., i:i + 1], f) * f.level_a + f.level_b for i in range(cands.shape[-1])]
+    err = torch.stack([((lv * cands[..., i:i + 1] - wg) ** 2).sum(-1) for i, lv in enumerate(levels)], dim=-1)
+    picked = (cands == s.reshape(*wg.shape[:-1], 1)).float().argmax(-1, keepdim=True)
+    assert (cands.gather(-1, picked) == s.reshape(*wg.shape[:-1], 1)).all()
+    best = err.min(-1, keepdim=True).values
+    assert (err.gather(-1, picked) <= best * (1 + 1e-5)).all()
+    assert picked[0].eq(0).all(), "all-zero row: the first ratio"
+    assert len(set(picked.flatten().tolist())) > 2, "the data should exercise several ratios"
 
 
 @pytest.mark.parametrize("gs", [0, 32])
