@@ -75,7 +75,7 @@ def _scale(wg: torch.Tensor, fmt: Format, method: str) -> torch.Tensor:
         return base
     # amax * (r / outer), rounded as it always was, then the sign (exact).
     candidates = torch.cat([sign * (amax * (r / outer)) for r in _MSE_RATIOS.tolist()], dim=-1)
-    # Rows a chunk at a time: the search holds ~3 float64 copies of what it sorts.
+    # Rows a chunk at a time: the search holds float64 and int64 copies of them.
     n = wg.shape[-1]
     rows, amax_rows = wg.reshape(-1, n), amax.reshape(-1, 1)
     sign_rows = torch.as_tensor(sign, dtype=amax.dtype).expand_as(amax).reshape(-1, 1)
@@ -94,24 +94,29 @@ def _mse_ratio_index(wg: torch.Tensor, amax: torch.Tensor, sign: torch.Tensor, o
     In units of the row's amax, u = sign * w / amax, the error is
     amax^2 * sum_j sum_{u in bin j} (c l_j - u)^2, where bin j holds the u that
     round to level l_j: between c times the midpoints of neighbouring levels.
-    With u sorted once, each bin's count n_j and sum S_j come from prefix sums,
-    so a ratio costs a few binary searches instead of ~11 passes over w, and
-    sum_j (n_j c^2 l_j^2 - 2 c l_j S_j) ranks the ratios (sum u^2 is common)."""
+    Those edges are the same for every row, so one pass puts each u in its
+    slot among all ratios' edges, and the count n_j and sum S_j of every bin
+    of every ratio follow from per-row histograms: sum_j (n_j c^2 l_j^2 -
+    2 c l_j S_j) ranks the ratios (sum u^2 is common), where the search over
+    the weight itself took ~11 passes per ratio."""
     levels = fmt.levels.to(torch.float64)
-    mids = (levels[:-1] + levels[1:]) / 2
-    u = torch.sort((wg.to(torch.float64) * sign) / amax.to(torch.float64), dim=-1).values
-    prefix = torch.nn.functional.pad(u.cumsum(dim=-1), (1, 0))
-    c = _MSE_RATIOS.to(torch.float64) / outer                        # [R]
-    bounds = (c[:, None] * mids).reshape(1, -1).expand(u.shape[0], -1).contiguous()  # bin edges in u
-    rows, R, n = u.shape[0], c.numel(), u.shape[-1]
-    edges = torch.cat([torch.zeros(rows, R, 1, dtype=torch.int64),
-                       torch.searchsorted(u, bounds).reshape(rows, R, -1),  # how many u lie under each edge
-                       torch.full((rows, R, 1), n, dtype=torch.int64)], dim=-1)  # [rows, R, J + 1]
-    counts = (edges[..., 1:] - edges[..., :-1]).to(torch.float64)
-    sums = prefix.gather(-1, edges.reshape(rows, -1)).reshape(edges.shape)
-    sums = sums[..., 1:] - sums[..., :-1]
-    cl = c[:, None] * levels                                          # [R, J]
-    err = (counts * cl * cl - 2 * cl * sums).sum(dim=-1)              # [rows, R]
+    c = _MSE_RATIOS.to(torch.float64) / outer                           # [R]
+    edges = (c[:, None] * (levels[:-1] + levels[1:]) / 2).reshape(-1)   # [R * (J - 1)]
+    order = edges.argsort()
+    u = (wg.to(torch.float64) * sign) / amax.to(torch.float64)
+    slot = torch.bucketize(u, edges[order], right=True)                 # sorted edges[slot - 1] <= u < edges[slot]
+    rows, m = u.shape[0], edges.numel()
+    count = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, torch.ones_like(u))
+    total = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, u)
+    unsort = order.argsort()
+    below_n = count.cumsum(1)[:, :m][:, unsort].reshape(rows, c.numel(), -1)  # how many u lie under each edge
+    below_s = total.cumsum(1)[:, :m][:, unsort].reshape(rows, c.numel(), -1)  # and their sum
+    R, n = c.numel(), u.shape[1]
+    zeros = torch.zeros(rows, R, 1, dtype=torch.float64)
+    counts = torch.diff(torch.cat([zeros, below_n, zeros + n], dim=-1), dim=-1)                  # [rows, R, J]
+    sums = torch.diff(torch.cat([zeros, below_s, zeros + u.sum(1).view(rows, 1, 1)], dim=-1), dim=-1)
+    cl = c[:, None] * levels                                             # [R, J]
+    err = (counts * cl * cl - 2 * cl * sums).sum(dim=-1)                 # [rows, R]
     return err.argmin(dim=-1, keepdim=True)
 
 
