@@ -106,7 +106,7 @@ def _mse_ratio_index(wg: torch.Tensor, amax: torch.Tensor, sign: torch.Tensor, o
     u = (wg.to(torch.float64) * sign) / amax.to(torch.float64)
     slot = torch.bucketize(u, edges[order], right=True)                 # sorted edges[slot - 1] <= u < edges[slot]
     rows, m = u.shape[0], edges.numel()
-    count = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, torch.ones_like(u))
+    count = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, u.new_ones(()).expand_as(u))
     total = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, u)
     unsort = order.argsort()
     below_n = count.cumsum(1)[:, :m][:, unsort].reshape(rows, c.numel(), -1)  # how many u lie under each edge
