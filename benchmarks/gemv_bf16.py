@@ -77,6 +77,7 @@ def main(argv=None):
     doc = common.load_shapes(args.shapes)
     threads = common.parse_list(args.threads, int)
     env = common.print_environment()
+    print(f"# {'every buffer in 2 MiB pages' if args.hugepages else '4 KiB pages (no --hugepages)'}")
     if not ulbtorch.runtime.bf16_gemv_native:
         print(f"# note: no vector kernel for ISA {ulbtorch.runtime.get_isa()}, so ulb.linear_bf16 runs its scalar "
               "reference (nn.LinearBF16 would use F.linear)")

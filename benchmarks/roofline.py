@@ -245,7 +245,8 @@ def main(argv=None):
     print(f"# activations {args.act_dtype}; gamma on {args.gamma_shape}, 1 thread, ISAs {', '.join(isas)}"
           + (f" (unsupported here, skipped: {', '.join(skipped)})" if skipped else "")
           + f"; cold GEMV on ISA {cold_isa}, rotation ~{args.rotate_mib:.0f} MiB (>= {args.min_rotate_mib:.0f}), "
-          f"median of {args.reps}")
+          f"median of {args.reps}; "
+          + ("beta's buffer and the rotations in 2 MiB pages" if args.hugepages else "4 KiB pages (no --hugepages)"))
 
     # -- beta ----------------------------------------------------------------------
     print("# measuring DRAM read bandwidth (beta) ...")

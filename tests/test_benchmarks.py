@@ -18,7 +18,10 @@ SHAPES = {
     "prefill_tokens": [32],
     "configs": {"falcon3-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 18,
                                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                               "vocab_size": 131072}},
+                               "vocab_size": 131072},
+                # gemv_bf16.py times each config's lm_head: a small one here
+                "tiny-lm": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096}},
 }
 
 RUNS = {
@@ -27,6 +30,8 @@ RUNS = {
     "scheduler": (["scheduler.py", "--quick"], "Static equal split vs dynamic split"),
     "op_overhead": (["op_overhead.py", "--shapes", "512x512", "--threads", "2", "--reps", "2"], "512x512"),
     "decode": (["decode.py", "--quick", "--shapes", "{shapes}"], "tok/s"),
+    "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
+                   "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }
 try:
     from ulbtorch import hugepages as _hugepages
@@ -37,6 +42,10 @@ if _THP:  # the same buffers and models in 2 MiB pages
     RUNS["gemv_hugepages"] = (["gemv.py", "--quick", "--threads", "2", "--formats", "int2_sym", "--hugepages",
                                "--shapes", "{shapes}"], "every buffer in 2 MiB pages")
     RUNS["hugepages"] = (["hugepages.py", "--quick", "--shapes", "{shapes}"], "decode, 2 MiB / 4 KiB pages")
+    RUNS["roofline_hugepages"] = (["roofline.py", "--quick", "--formats", "int2_sym", "--hugepages",
+                                   "--shapes", "{shapes}"], "rotations in 2 MiB pages")
+    RUNS["gemv_bf16_hugepages"] = (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1",
+                                    "--hugepages", "--shapes", "{shapes}"], "every buffer in 2 MiB pages")
 
 
 @pytest.fixture(scope="module")
