@@ -109,12 +109,15 @@ def _mse_ratio_index(wg: torch.Tensor, amax: torch.Tensor, sign: torch.Tensor, o
     count = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, u.new_ones(()).expand_as(u))
     total = torch.zeros(rows, m + 1, dtype=torch.float64).scatter_add_(1, slot, u)
     unsort = order.argsort()
-    below_n = count.cumsum(1)[:, :m][:, unsort].reshape(rows, c.numel(), -1)  # how many u lie under each edge
-    below_s = total.cumsum(1)[:, :m][:, unsort].reshape(rows, c.numel(), -1)  # and their sum
-    R, n = c.numel(), u.shape[1]
-    zeros = torch.zeros(rows, R, 1, dtype=torch.float64)
-    counts = torch.diff(torch.cat([zeros, below_n, zeros + n], dim=-1), dim=-1)                  # [rows, R, J]
-    sums = torch.diff(torch.cat([zeros, below_s, zeros + u.sum(1).view(rows, 1, 1)], dim=-1), dim=-1)
+    R = c.numel()
+
+    def per_bin(hist):  # [rows, m + 1] per slot -> [rows, R, J] per ratio and level
+        cum = hist.cumsum(1)  # cum[:, k]: under sorted edge k; the last column: the whole row
+        below = cum[:, :m][:, unsort].reshape(rows, R, -1)
+        zeros = torch.zeros(rows, R, 1, dtype=torch.float64)
+        return torch.diff(torch.cat([zeros, below, cum[:, m:].expand(rows, R)[..., None]], dim=-1), dim=-1)
+
+    counts, sums = per_bin(count), per_bin(total)
     cl = c[:, None] * levels                                             # [R, J]
     err = (counts * cl * cl - 2 * cl * sums).sum(dim=-1)                 # [rows, R]
     return err.argmin(dim=-1, keepdim=True)
