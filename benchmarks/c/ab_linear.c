@@ -62,21 +62,25 @@ static ulb_status pack_bf16(int format, int64_t M, int64_t K, int64_t group_size
     return ULB_OK;
 }
 
+/* Build A's (b = 1) or B's (b = 2) GEMV on blob i, into ya or yb. */
+static ulb_status ab_gemv(const ab_job *j, int b, int i) {
+    if (j->bf16_weights)
+        return (b == 1 ? A_ulb_gemv_bf16 : B_ulb_gemv_bf16)((const uint16_t *)(b == 1 ? j->blobs : j->blobs_b)[i], j->M,
+                                                            j->K, j->K, j->x, 1, NULL, ULB_DT_F32,
+                                                            b == 1 ? j->ya : j->yb, ULB_DT_BF16, j->threads);
+    return b == 1 ? A_ulb_linear(j->blobs[i], j->nbytes, j->N, j->x, j->dt, j->K, 1, NULL, j->dt, j->ya, j->dt, j->M,
+                                 j->threads)
+                  : B_ulb_linear(j->blobs_b[i], j->nbytes_b, j->N, j->x, j->dt, j->K, 1, NULL, j->dt, j->yb, j->dt,
+                                 j->M, j->threads);
+}
+
 /* Candidate 0: the read probe over A's blobs; 1: build A's GEMV; 2: build B's. */
 static int ab_run(void *ctx, int c) {
     const ab_job *j = ctx;
     for (int i = 0; i < j->n; i++) {
         uint64_t checksum;
         if (c && j->x_src) memcpy(j->x, j->x_src, j->x_bytes);
-        ulb_status st = c == 0   ? A_ulb_read_probe(j->blobs[i], j->nbytes, j->threads, &checksum)
-                        : j->bf16_weights
-                            ? (c == 1 ? A_ulb_gemv_bf16 : B_ulb_gemv_bf16)(
-                                  (const uint16_t *)(c == 1 ? j->blobs : j->blobs_b)[i], j->M, j->K, j->K, j->x, 1, NULL,
-                                  ULB_DT_F32, c == 1 ? j->ya : j->yb, ULB_DT_BF16, j->threads)
-                        : c == 1 ? A_ulb_linear(j->blobs[i], j->nbytes, j->N, j->x, j->dt, j->K, 1, NULL, j->dt,
-                                                j->ya, j->dt, j->M, j->threads)
-                                 : B_ulb_linear(j->blobs_b[i], j->nbytes_b, j->N, j->x, j->dt, j->K, 1, NULL, j->dt,
-                                                j->yb, j->dt, j->M, j->threads);
+        const ulb_status st = c == 0 ? A_ulb_read_probe(j->blobs[i], j->nbytes, j->threads, &checksum) : ab_gemv(j, c, i);
         if (st != ULB_OK) return 1;
     }
     return 0;
@@ -115,7 +119,7 @@ int main(int argc, char **argv) {
     }
     ab_job job = {blobs, blobs_b, n, nbytes, nbytes_b, x, NULL, (size_t)(N * K * esize), ya, yb, dt, M, K, N,
                   threads, bf16_weights};
-    if (ab_run(&job, 1) || ab_run(&job, 2)) return 2;
+    if (ab_gemv(&job, 1, 0) != ULB_OK || ab_gemv(&job, 2, 0) != ULB_OK) return 2;
     const int same = !memcmp(ya, yb, N * M * esize);
     uint8_t *x_src = NULL;
     if (getenv("AB_FRESH_X")) {
