@@ -339,7 +339,9 @@ def main(argv=None):
                     continue
                 line = (f"GEMV cold {fmt:8s} {nt} thr: geomean {common.geomean(r['speedup'] for r in rs):.2f}x vs bf16, "
                         f"median {statistics.median(r['pct_bw'] for r in rs):.0f}% of read BW, "
-                        f"{statistics.median(r['pct_stream'] for r in rs):.0f}% of a stream read of the same blobs "
+                        f"{statistics.median(r['pct_stream'] for r in rs):.0f}% of a stream read of the same blobs, "
+                        f"which itself reads a median {statistics.median(100 * r['gbps_stream'] / r['read_bw'] for r in rs):.0f}% "
+                        f"of read BW "
                         f"(bf16 median {statistics.median(100 * r['gbps_bf16'] / r['read_bw'] for r in rs):.0f}%), "
                         f"{len(rs)} shapes")
                 if not args.module:
