@@ -15,7 +15,8 @@
  * rotation matters little there), AB_FRESH_X=1 to rewrite x on the calling
  * thread before every GEMV call, as a model's previous layer does, so that
  * other threads fetch it from the caller's core (the copy is timed too, on
- * both sides). */
+ * both sides), AB_GS=g to pack scales per group of g (default 0: per
+ * channel). */
 #include <stdio.h>
 
 #include "cold_blobs.h"
@@ -93,17 +94,18 @@ int main(int argc, char **argv) {
     const int bf16_weights = fmt == AB_FMT_BF16;
     static const ulb_format_info bf16_info = {.name = "bf16", .max_code = 255};
     const ulb_format_info *fi = bf16_weights ? &bf16_info : A_ulb_format_get(fmt);
-    const int64_t nbytes = bf16_weights ? M * K * 2 : A_ulb_packed_nbytes(fmt, M, K, 0);
-    const int64_t nbytes_b = bf16_weights ? nbytes : B_ulb_packed_nbytes(fmt, M, K, 0);
-    if (!fi || nbytes < 0 || nbytes_b < 0) {
-        fprintf(stderr, "bad format %d or shape %ldx%ld\n", fmt, (long)M, (long)K);
+    const int64_t gs = getenv("AB_GS") ? atoll(getenv("AB_GS")) : 0;
+    const int64_t nbytes = bf16_weights ? M * K * 2 : A_ulb_packed_nbytes(fmt, M, K, gs);
+    const int64_t nbytes_b = bf16_weights ? nbytes : B_ulb_packed_nbytes(fmt, M, K, gs);
+    if (!fi || nbytes < 0 || nbytes_b < 0 || (bf16_weights && gs)) {
+        fprintf(stderr, "bad format %d, shape %ldx%ld or group size %ld\n", fmt, (long)M, (long)K, (long)gs);
         return 2;
     }
     int n;
     uint8_t **rot[2];
     const bench_pack_fn packs[2] = {bf16_weights ? pack_bf16 : A_ulb_pack, bf16_weights ? pack_bf16 : B_ulb_pack};
     const int64_t sizes[2] = {nbytes, nbytes_b};
-    if (bench_cold_blobs(2, packs, sizes, fmt, fi->max_code, M, K, bench_page_advice(), rot, &n)) return 2;
+    if (bench_cold_blobs(2, packs, sizes, fmt, fi->max_code, M, K, gs, bench_page_advice(), rot, &n)) return 2;
     uint8_t **blobs = rot[0], **blobs_b = rot[1];
     const ulb_dtype dt = getenv("AB_BF16") || bf16_weights ? ULB_DT_BF16 : ULB_DT_F32;
     const size_t esize = dt == ULB_DT_F32 ? 4 : 2;
@@ -134,9 +136,11 @@ int main(int argc, char **argv) {
     double probe_s[BENCH_MAX_ROUNDS];
     for (int r = 0; r < rounds; r++) probe_s[r] = t[0][r + 1];
     const double probe_gbps = (double)n * (double)nbytes / bench_median(probe_s, rounds) / 1e9;
-    printf("%s %ldx%ld, N=%ld, %d thread(s), %s, %d rounds of %d blobs, probe %.1f GB/s: A %.1f%%, B %.1f%% of "
+    char groups[32] = "";
+    if (gs > 0 && gs < K) snprintf(groups, sizeof groups, " g%ld", (long)gs);
+    printf("%s%s %ldx%ld, N=%ld, %d thread(s), %s, %d rounds of %d blobs, probe %.1f GB/s: A %.1f%%, B %.1f%% of "
            "the read probe; B/A speed %.3f (median of per-round ratios)%s%s\n",
-           fi->name, (long)M, (long)K, (long)N, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n, probe_gbps,
+           fi->name, groups, (long)M, (long)K, (long)N, threads, dt == ULB_DT_F32 ? "fp32" : "bf16", rounds, n, probe_gbps,
            100 * bench_ratio_median(t[0], t[1], rounds), 100 * bench_ratio_median(t[0], t[2], rounds),
            bench_ratio_median(t[1], t[2], rounds), x_src ? ", x rewritten before each call" : "",
            same ? "" : "; OUTPUTS DIFFER");

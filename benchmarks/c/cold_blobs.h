@@ -95,8 +95,8 @@ static inline int64_t bench_cold_bytes(void) {
     return l3 > 0 && 5 * (int64_t)l3 / 2 > (600LL << 20) ? 5 * (int64_t)l3 / 2 : 600LL << 20;
 }
 
-/* One random M x K matrix of `format` (codes 0..max_code, per-channel
- * scales), packed by each of nvar packers (two builds of the library may
+/* One random M x K matrix of `format` (codes 0..max_code, scales per
+ * group of group_size, per channel for 0), packed by each of nvar packers (two builds of the library may
  * lay blobs out differently), then copied until each variant holds
  * bench_cold_bytes (at least 4 copies): by the time a copy comes round again the others have
  * pushed it out of every cache. All copies share one allocation, the
@@ -108,23 +108,24 @@ static inline int64_t bench_cold_bytes(void) {
  * is given to madvise (MADV_HUGEPAGE, MADV_NOHUGEPAGE) before any page is
  * touched. Fills blobs[v][i] for i < *count; returns 0, or -1 on failure. */
 static inline int bench_cold_blobs(int nvar, const bench_pack_fn *packs, const int64_t *nbytes, int format,
-                                   int max_code, int64_t M, int64_t K, int advice, uint8_t ***blobs,
-                                   int *count) {
+                                   int max_code, int64_t M, int64_t K, int64_t group_size, int advice,
+                                   uint8_t ***blobs, int *count) {
     int64_t stride = 0;
     for (int v = 0; v < nvar; v++) stride += (nbytes[v] + 63) / 64 * 64;
     int n = (int)(bench_cold_bytes() * nvar / stride);
     if (n < 4) n = 4;
     const size_t huge = 2u << 20, arena_bytes = ((size_t)(stride * n) + huge - 1) / huge * huge;
     uint8_t *codes = malloc((size_t)(M * K)), *arena = aligned_alloc(huge, arena_bytes);
-    float *scales = malloc((size_t)M * sizeof(float));
+    const int64_t n_groups = group_size > 0 && group_size < K ? (K + group_size - 1) / group_size : 1;
+    float *scales = malloc((size_t)(M * n_groups) * sizeof(float));
     if (!codes || !scales || !arena) return -1;
     if (advice && madvise(arena, arena_bytes, advice)) return -1;
     for (int64_t i = 0; i < M * K; i++) codes[i] = (uint8_t)(rand() % (max_code + 1));
-    for (int64_t i = 0; i < M; i++) scales[i] = 0.01f + 0.001f * (float)(i % 7);
+    for (int64_t i = 0; i < M * n_groups; i++) scales[i] = 0.01f + 0.001f * (float)(i % 7);
     for (int v = 0, off = 0; v < nvar; v++) {
         if (!(blobs[v] = calloc((size_t)n, sizeof **blobs))) return -1;
         for (int i = 0; i < n; i++) blobs[v][i] = arena + i * stride + off;
-        if (packs[v](format, M, K, 0, codes, K, scales, blobs[v][0], nbytes[v]) != ULB_OK) return -1;
+        if (packs[v](format, M, K, group_size, codes, K, scales, blobs[v][0], nbytes[v]) != ULB_OK) return -1;
         off += (int)((nbytes[v] + 63) / 64 * 64);
     }
     /* Copy in address order, so that no variant gets the pages the kernel
@@ -174,7 +175,7 @@ static inline uint8_t **bench_cold_blobs_of(const bench_shape *a, int64_t *nbyte
     }
     uint8_t **blobs;
     const bench_pack_fn pack = ulb_pack;
-    return bench_cold_blobs(1, &pack, nbytes, a->format, fi->max_code, a->M, a->K, bench_page_advice(), &blobs,
+    return bench_cold_blobs(1, &pack, nbytes, a->format, fi->max_code, a->M, a->K, 0, bench_page_advice(), &blobs,
                             count) ? NULL : blobs;
 }
 

@@ -40,7 +40,7 @@ int main(int argc, char **argv) {
     int n[2];
     const int advice[2] = {MADV_NOHUGEPAGE, MADV_HUGEPAGE};
     for (int h = 0; h < 2; h++)
-        if (bench_cold_blobs(1, &pack, &nbytes, a.format, fi->max_code, a.M, a.K, advice[h], &rot[h], &n[h]))
+        if (bench_cold_blobs(1, &pack, &nbytes, a.format, fi->max_code, a.M, a.K, 0, advice[h], &rot[h], &n[h]))
             return 2;
     float *x = malloc(a.K * sizeof(float)), *y = malloc(a.M * sizeof(float));
     for (int64_t k = 0; k < a.K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
