@@ -273,7 +273,7 @@ def test_module_call_leaves_hooks_and_patches_to_nn_module(gen, monkeypatch):
     y, ok = served(m, x)
     assert not ok and torch.allclose(y, want, atol=1e-4)
     m.force_reference = False
-    y, ok = served(m, x=x)
+    y, ok = served(m, input=x)
     assert not ok and torch.equal(y, want)
     nb = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(K, M, bias=False))
     y, ok = served(nb, x)

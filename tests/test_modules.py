@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import ulbtorch
 from ulbtorch import ops
 from ulbtorch.formats import get_format, n_groups
-from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearTernary, LowBitLinear
+from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary, LowBitLinear
 from ulbtorch import quantizers
 from ulbtorch.quantizers import _MSE_RATIOS, quantize_weight
 
@@ -464,3 +465,62 @@ def test_reference_path_sees_new_weights(gen):
         layer.packed.data = src.packed.clone()
         layer.bias = src.bias
         assert torch.equal(layer(x), want(src))
+
+
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_meta_layer_gives_meta_output(gen, cls, fmt):
+    """A layer moved to meta computes shapes, as nn.Linear does there."""
+    _, layer = _layer(gen, cls, fmt, gs=0)
+    layer = layer.to("meta")
+    for x in (torch.randn(3, K_IN, device="meta"), torch.randn(2, 3, K_IN, device="meta", dtype=torch.bfloat16)):
+        y = layer(x)
+        assert y.device.type == "meta" and y.shape == (*x.shape[:-1], M_OUT) and y.dtype == x.dtype
+    with pytest.raises(ValueError, match="input features"):
+        layer(torch.randn(3, K_IN + 1, device="meta"))
+
+
+def test_from_linear_refuses_meta_weights():
+    with pytest.raises(ValueError, match="meta device.*nothing to quantize"):
+        Linear2Bit.from_linear(torch.nn.Linear(K_IN, M_OUT, device="meta"))
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+def test_from_linear_group_size_needs_group_granularity(gen, granularity):
+    """As the constructor and QuantConfig: a group size with another
+    granularity is an error, not silently dropped."""
+    lin = _float_linear(gen)
+    with pytest.raises(ValueError, match="group_size=32 needs granularity='group'"):
+        Linear2Bit.from_linear(lin, group_size=32, granularity=granularity)
+    with pytest.raises(ValueError, match="granularity"):
+        Linear2Bit(K_IN, M_OUT, group_size=32, granularity=granularity)
+    assert Linear2Bit.from_linear(lin, group_size=32, granularity="group").group_size == 32
+
+
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_forward_takes_input_keyword(gen, cls, fmt):
+    """nn.Linear's forward names its argument `input`; so do ours."""
+    _, layer = _layer(gen, cls, fmt)
+    x = torch.randn(2, K_IN, generator=gen)
+    assert torch.equal(layer(input=x), layer(x))
+    lin = torch.nn.Linear(K_IN, M_OUT).bfloat16()
+    bf16 = LinearBF16.from_linear(lin)
+    xb = x[:1].bfloat16()
+    assert torch.equal(bf16(input=xb), bf16(xb))
+
+
+def test_quantize_converts_a_layer_used_twice_everywhere(gen):
+    lin = _float_linear(gen, K=64, M=64)
+    seq = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)
+    ulbtorch.quantize_(seq, bits=2)
+    assert isinstance(seq[0], Linear2Bit) and seq[2] is seq[0]
+    head = torch.nn.Linear(64, 64).bfloat16()
+    seq = torch.nn.Sequential(head, torch.nn.ReLU(), head)
+    ulbtorch.bf16_gemv_(seq)
+    assert isinstance(seq[0], LinearBF16) and seq[2] is seq[0]
+
+
+def test_quantize_warns_when_nothing_is_converted():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match="no layer converted.*1 plain nn.Linear"):
+        ulbtorch.quantize_(model, bits=2, include=["nothing.*"])
+    assert type(model[0]) is torch.nn.Linear

@@ -1,14 +1,15 @@
 """One call to turn the nn.Linear layers of a model into low-bit layers."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
 from .formats import FORMATS
 from .hugepages import move_to_hugepages
-from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_, replace_module
-from .nn.replace import name_selected, patterns
+from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_
+from .nn.replace import module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
@@ -162,6 +163,12 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     elif kwargs:
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
     targets = config.targets(model)
+    if not targets:
+        plain = sum(type(m) in (nn.Linear, LinearBF16) for m in model.modules())
+        warnings.warn(f"quantize_: no layer converted: the model has {plain} plain nn.Linear layers and "
+                      f"include={config.include} / exclude={config.exclude} select none of them (layers of other "
+                      "types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)", stacklevel=2)
+    names = module_names(model)
     float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
     packed_bytes = 0
     if progress:
@@ -174,7 +181,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         layer = MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
                                                           **cfg.layer_args(lin.in_features))
         packed_bytes += layer.packed.numel()
-        replace_module(model, name, layer)
+        replace_everywhere(model, names, lin, layer)
     if config.bf16_gemv:
         bf16_gemv_(model)
     placed = move_to_hugepages(model) if hugepages else None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import runtime
-from .replace import name_selected, patterns, replace_module
+from .replace import module_names, name_selected, patterns, replace_everywhere
 
 _linear_bf16 = torch.ops.ulb.linear_bf16.default
 _BIAS_DTYPES = (torch.float32, torch.bfloat16)
@@ -30,11 +30,11 @@ class LinearBF16(nn.Linear):
         layer.bias = linear.bias
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]
-        if gemv_serves(x, w, b):
-            return _linear_bf16(x, w, b)
-        return F.linear(x, w, b)
+        if gemv_serves(input, w, b):
+            return _linear_bf16(input, w, b)
+        return F.linear(input, w, b)
 
 
 def gemv_serves(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -57,6 +57,7 @@ def bf16_gemv_(model: nn.Module, *, include: list[str] | None = None, exclude: l
     exclude = patterns([] if exclude is None else exclude, "exclude")
     targets = [(n, m) for n, m in model.named_modules()
                if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and name_selected(n, include, exclude)]
+    names = module_names(model)
     for name, lin in targets:
-        replace_module(model, name, LinearBF16.from_linear(lin))
+        replace_everywhere(model, names, lin, LinearBF16.from_linear(lin))
     return model

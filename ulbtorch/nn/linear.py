@@ -12,7 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import ops, runtime
-from ..formats import get_format, normalize_group_size
+from ..formats import get_format, n_groups, normalize_group_size
 from ..quantizers import GRANULARITIES, quantize_weight
 
 
@@ -126,7 +126,13 @@ class LowBitLinear(nn.Module):
                     granularity: str | None = None, method: str | None = None) -> "LowBitLinear":
         """Round-to-nearest quantisation of an nn.Linear (see ulbtorch.quantizers)."""
         fmt = format or cls.FORMATS[0]
+        if linear.weight.device.type == "meta":
+            raise ValueError(f"{cls.__name__}.from_linear: the layer's weight is on the meta device, so there is "
+                             "nothing to quantize; load its weights first (or build the layer with device='meta' "
+                             "and load a packed state_dict)")
         gs = normalize_group_size(group_size, linear.in_features, fmt)
+        if granularity not in (None, "group") and gs:
+            raise ValueError(f"group_size={group_size} needs granularity='group' (or None), got {granularity!r}")
         granularity = granularity or ("group" if gs else "channel")
         codes, scales = quantize_weight(linear.weight, fmt, gs, granularity, method)
         layer = cls.from_codes(codes, scales, format=fmt, group_size=gs if granularity == "group" else 0,
@@ -136,7 +142,13 @@ class LowBitLinear(nn.Module):
     # ---- inspection ---------------------------------------------------------
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._require_packed()
-        return ops.unpack(self.packed)
+        codes, scales = ops.unpack(self.packed)
+        # The op's sizes come from the blob's header, unknown to a compiled
+        # graph; the layer's geometry (which its blob is checked against) pins them.
+        torch._check(codes.shape[0] == self.out_features)
+        torch._check(codes.shape[1] == self.in_features)
+        torch._check(scales.shape[1] == n_groups(self.group_size, self.in_features))
+        return codes, scales
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the kernel effectively multiplies by."""
@@ -150,7 +162,9 @@ class LowBitLinear(nn.Module):
 
     # ---- forward ------------------------------------------------------------
     def _require_packed(self):
-        if not bool(self.packed[:4].any()):
+        # Eager only: a compiled graph cannot branch on the blob's bytes (the
+        # kernels still refuse a blob without a header, less helpfully).
+        if not torch.compiler.is_compiling() and not bool(self.packed[:4].any()):
             raise RuntimeError(f"{type(self).__name__} has no packed weights: build it with from_linear/"
                                "from_codes or load a state_dict")
 
@@ -166,11 +180,12 @@ class LowBitLinear(nn.Module):
                 return y
         return nn.Module.__call__(self, *args, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Decode calls last microseconds: the common case is one call from
         # CPython to the kernel (runtime.eager_linear, NotImplemented for what
         # it leaves to the op), with the parameter dicts read directly
-        # (nn.Module.__getattr__ is slow).
+        # (nn.Module.__getattr__ is slow). `input` as nn.Linear names it.
+        x = input
         bias = self._parameters["bias"]
         eager = runtime.eager_linear
         if eager is not None and not self.force_reference and not torch.compiler.is_compiling():
@@ -185,6 +200,8 @@ class LowBitLinear(nn.Module):
                              f"got input of shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} takes floating-point input, got {x.dtype}")
+        if x.device.type == "meta":  # shapes only, as nn.Linear gives on meta
+            return x.new_empty(*x.shape[:-1], self.out_features)
         if x.device.type == "cpu" and not self.force_reference:
             return _kernel_linear(self, x.float(), None if bias is None else bias.float()).to(x.dtype)
         return self._reference_forward(x)
@@ -194,6 +211,8 @@ class LowBitLinear(nn.Module):
         """dequantize() on `device`, cached while `packed` reads the same bytes:
         same storage (held by the cache, so a new blob cannot take over its
         address), unmodified (_version)."""
+        if torch.compiler.is_compiling():  # no data pointers in a graph; the graph keeps what it computes
+            return self.dequantize().to(device)
         packed = self._buffers["packed"]
         key = (packed.data_ptr(), packed._version, device)
         c = self._dequant_cache

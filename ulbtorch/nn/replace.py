@@ -1,5 +1,6 @@
 """Swapping a submodule of a model by its dotted name, and choosing them."""
 import fnmatch
+from collections import defaultdict
 
 from torch import nn
 
@@ -32,3 +33,20 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
                          f"({type(new).__name__}.from_linear(layer))")
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def module_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every dotted name of each submodule, by id: a module registered twice
+    (the same layer used at two places) has two, and named_modules() gives
+    only the first."""
+    names = defaultdict(list)
+    for name, m in model.named_modules(remove_duplicate=False):
+        names[id(m)].append(name)
+    return names
+
+
+def replace_everywhere(model: nn.Module, names: dict[int, list[str]], old: nn.Module, new: nn.Module) -> None:
+    """replace_module at every name of `old` (names: module_names(model)),
+    so that a layer used twice keeps computing one way."""
+    for name in names[id(old)]:
+        replace_module(model, name, new)
