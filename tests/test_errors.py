@@ -1,8 +1,10 @@
 """Bad input gives a clear Python exception, never garbage or a crash."""
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -301,6 +303,36 @@ def test_quant_config_checks_its_options_up_front():
         ulbtorch.QuantConfig(bits=2, granularity="channel", group_size=32)
 
 
+@pytest.mark.parametrize("bad", ["no", 1, 0, None])
+def test_ulb_config_bf16_gemv_is_a_bool(bad):
+    """bool("no") is True: the option took any truthy value as on."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TypeError, match=f"UlbConfig's bf16_gemv takes True or False, got {bad!r}"):
+        ulbtorch.UlbConfig(bf16_gemv=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(bf16_gemv="no"), "bf16_gemv takes True or False"),
+                                          (dict(format=["int4"]), "format must be a format name")])
+def test_quant_config_option_types(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        ulbtorch.QuantConfig(**kwargs)
+
+
+def test_ulb_config_checks_options_as_quantize_does():
+    pytest.importorskip("transformers")
+    for kwargs, error, match in [(dict(bits=True), ValueError, "bits must be 1, 'ternary'/1.58, 2, 4 or 8"),
+                                 (dict(group_size=32.0), TypeError, "group_size must be an int"),
+                                 (dict(lm_head_bits=True), ValueError, "lm_head_bits=True"),
+                                 (dict(lm_head_group_size="32"), TypeError, "lm_head_group_size must be an int")]:
+        with pytest.raises(error, match=match):
+            ulbtorch.UlbConfig(**kwargs)
+        with pytest.raises(error, match=match):
+            ulbtorch.QuantConfig(**kwargs)
+    cfg = ulbtorch.UlbConfig(bits=4, group_size=32, bf16_gemv=False, lm_head_bits=8)
+    back = ulbtorch.UlbConfig.from_dict(json.loads(cfg.to_json_string()))
+    assert back.to_dict() == cfg.to_dict() and back.bf16_gemv is False
+
+
 def test_grid_exclude_is_a_pattern_list_or_one_name():
     from ulbtorch.importers.grid import convert_grid_linears
     model = torch.nn.Sequential()
@@ -339,6 +371,56 @@ def test_runtime_controls():
         runtime.scheduler_stats(3)
 
 
+@pytest.mark.parametrize("switch", [runtime.set_eager_fast_path, runtime.set_lut1, runtime.scheduler_static,
+                                    lambda on: runtime.use_eager_fast_path(on).__enter__()])
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_runtime_switches_take_bools(switch, bad):
+    """set_eager_fast_path("no") turned the fast path on."""
+    before = runtime.eager_fast_path(), runtime.lut1_enabled()
+    with pytest.raises(TypeError, match=f"takes True or False, got {bad!r}"):
+        switch(bad)
+    assert (runtime.eager_fast_path(), runtime.lut1_enabled()) == before
+
+
+@pytest.mark.parametrize("bits", [2 ** 40, 2 ** 32 + 2, -1, 3, 2.0, True, "2", None])
+def test_scheduler_stats_checks_bits_before_c(bits):
+    """ctypes cut 2**40 to a C int of 0 and gave the read probe's table."""
+    with pytest.raises(ValueError, match=r"no scheduler table for bits=.*; widths are \(0, 1, 2, 4, 8, 16\)"):
+        runtime.scheduler_stats(bits)
+
+
+def test_runtime_isa_names_checked():
+    """Names were looked up with tuple.index: 'x not in tuple'."""
+    for call in (lambda: runtime.scheduler_stats(2, "bogus"), lambda: runtime.lut1_available("bogus"),
+                 lambda: runtime.set_isa("bogus")):
+        with pytest.raises(ValueError, match=r"unknown ISA 'bogus'; choose from \('scalar', 'avx2'"):
+            call()
+    assert runtime.scheduler_stats(2, runtime.get_isa())["calls"] >= 0
+
+
+@pytest.mark.parametrize("bits", [2.0, True, 2 ** 32 + 2, "2"])
+def test_prefetch_width_checked_before_c(bits):
+    with pytest.raises(ValueError, match="no prefetch setting for bits="):
+        runtime.prefetch_distance(bits)
+    with pytest.raises(ValueError, match="no prefetch setting for bits="):
+        runtime.set_prefetch_distance(bits, 64)
+
+
+@pytest.mark.parametrize("tid,factor", [(2 ** 32, 2.0), (2 ** 40, 2.0), (True, 2.0), (1.0, 2.0), (0, "2"),
+                                        (0, None), (0, True), (0, float("nan")), (0, float("inf"))])
+def test_thread_slowdown_checked_before_c(tid, factor):
+    """ctypes cut tid=2**32 to thread 0, float("2") took a string, and an
+    infinite factor would have made the thread spin for ever."""
+    with pytest.raises(ValueError, match="invalid slowdown .*tid must be an int from 0 to 63, factor a finite number"):
+        runtime.set_thread_slowdown(tid, factor)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 2 ** 40, 2.0, "2"])
+def test_read_probe_thread_count(threads):
+    with pytest.raises(ValueError, match="threads must be an int from 1 to 65536"):
+        runtime.read_probe(torch.zeros(64), threads)
+
+
 def test_lut1_switch(monkeypatch):
     at_load = os.environ.get("ULB_LUT1") != "0" and runtime.lut1_available()
     assert runtime.lut1_enabled() == at_load, "the 1-bit lookup-table kernel is on where it can run, unless ULB_LUT1=0"
@@ -366,6 +448,27 @@ def test_load_quantized_errors(tmp_path):
     ulbtorch.save_quantized(model, str(tmp_path))
     with pytest.raises(ValueError, match=r"is 32->8 in the model but 64->8 in the checkpoint"):
         ulbtorch.load_quantized(torch.nn.Sequential(torch.nn.Linear(32, M)), str(tmp_path))
+
+
+def test_load_quantized_into_a_float32_model_warns_of_the_bf16_gemv(tmp_path):
+    """The manifest's bf16_gemv layers need bf16 weights: a float32 model kept
+    lm_head on F.linear, with other logits, and said nothing."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    model = ulbtorch.quantize_(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16), bits=2)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    with pytest.warns(UserWarning, match=r"load_quantized: lm_head \(float32\) left on F.linear: .*"
+                                         r"build the model with dtype=torch.bfloat16"):
+        # (from_config(cfg) with no dtype would be bf16 too: the first call set cfg.dtype)
+        loaded = ulbtorch.load_quantized(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32),
+                                         str(tmp_path))
+    assert type(loaded.lm_head) is torch.nn.Linear  # behaviour unchanged: only the warning is new
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="load_quantized")  # a bf16 model: no warning
+        loaded = ulbtorch.load_quantized(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16),
+                                         str(tmp_path))
+    assert type(loaded.lm_head) is ulbtorch.LinearBF16
 
 
 FUZZ = textwrap.dedent("""

@@ -11,6 +11,7 @@ from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_
 from .nn.replace import module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
+from .runtime import _check_bool
 
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 4: "int4", "4": "int4", 8: "int8",
@@ -66,6 +67,9 @@ class QuantConfig:
 
     def __post_init__(self):
         self.include, self.exclude = patterns(self.include, "include"), patterns(self.exclude, "exclude")
+        _check_bool(self.bf16_gemv, "bf16_gemv")
+        if self.format is not None and not isinstance(self.format, str):
+            raise TypeError(f"format must be a format name such as 'int2_sym', got {self.format!r}")
         for name in ("group_size", "lm_head_group_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -49,27 +49,51 @@ _lib.ulb_read_probe_streams.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.
 PROBE_MAX_STREAMS = 8  # ULB_PROBE_MAX_STREAMS
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_bool(on, what: str) -> None:
+    """The switches take True or False only: bool("no") is True."""
+    if not isinstance(on, bool):
+        raise TypeError(f"{what} takes True or False, got {on!r}")
+
+
+def _check_threads(threads) -> None:
+    if not (_is_int(threads) and 1 <= threads <= 1 << 16):
+        raise ValueError(f"threads must be an int from 1 to 65536, got {threads!r}")
+
+
+def _isa_index(name) -> int:
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; choose from {ISAS}")
+    return ISAS.index(name)
+
+
 def read_probe(buffer, threads: int | None = None, streams: int = 1) -> int:
     """Stream-read a contiguous CPU tensor through the kernels' thread pool
     and work split (the GEMV's memory roofline); returns a checksum. It
     prefetches like the 2-bit kernel on long groups, so set_prefetch_distance(2,
     ...) moves it too. streams > 1 reads each thread's share, 1 MiB at a
     time, as that many runs, a 64-byte line of each in turn: the same bytes
-    and checksum, and on some cores (Zen 3) more bandwidth than one run."""
+    and checksum, and on some cores (Zen 3) more bandwidth than one run.
+    threads: None for torch.get_num_threads()."""
     import torch
 
     if not (isinstance(buffer, torch.Tensor) and buffer.is_cpu and buffer.is_contiguous()):
         raise ValueError("read_probe takes a contiguous CPU tensor")
     if not (_is_int(streams) and 1 <= streams <= PROBE_MAX_STREAMS):
         raise ValueError(f"read_probe: streams must be an int in [1, {PROBE_MAX_STREAMS}], got {streams!r}")
+    if threads is None:
+        threads = torch.get_num_threads()
+    _check_threads(threads)
     out = ctypes.c_uint64()
     n = buffer.numel() * buffer.element_size()
     if n == 0:  # nothing to read (and an empty tensor has no data pointer)
         return 0
     if buffer.data_ptr() % 8:
         raise ValueError("read_probe: buffer must be 8-byte aligned")
-    if _lib.ulb_read_probe_streams(buffer.data_ptr(), n, threads or torch.get_num_threads(), streams,
-                                   ctypes.byref(out)) != 0:
+    if _lib.ulb_read_probe_streams(buffer.data_ptr(), n, threads, streams, ctypes.byref(out)) != 0:
         raise ValueError("read_probe: the kernels refused the buffer")
     return out.value
 
@@ -93,9 +117,7 @@ def supported_isas() -> list[str]:
 
 def set_isa(name: str) -> None:
     global bf16_gemv_native
-    if name not in ISAS:
-        raise ValueError(f"unknown ISA {name!r}; choose from {ISAS}")
-    if _lib.ulb_isa_set(ISAS.index(name)) != 0:
+    if _lib.ulb_isa_set(_isa_index(name)) != 0:
         raise RuntimeError(f"ISA {name!r} is not supported on this CPU (supported: {supported_isas()})")
     bf16_gemv_native = name in _BF16_GEMV_ISAS
 
@@ -144,7 +166,7 @@ def lut1_available(isa: str | None = None) -> bool:
     under any ISA it supports): AVX2's over "lanes" tiles (under avx2,
     avxvnni, avx512 and amx), AVX-512 VBMI's over "vnni" tiles."""
     names = supported_isas() if isa is None else [isa]
-    return any(_lib.ulb_lut1_available(ISAS.index(n)) for n in names)
+    return any(_lib.ulb_lut1_available(_isa_index(n)) for n in names)
 
 
 def lut1_enabled() -> bool:
@@ -161,9 +183,10 @@ def set_lut1(on: bool) -> None:
     from DRAM trading places with the machine's state
     (benchmarks/results/README.md). ULB_LUT1=0 in the environment turns them
     off at load."""
+    _check_bool(on, "set_lut1")
     if on and not lut1_available():
         raise RuntimeError("no 1-bit lookup-table kernel runs on this CPU (they need AVX2)")
-    _lib.ulb_lut1_enable(int(bool(on)))
+    _lib.ulb_lut1_enable(int(on))
 
 
 def use_lut1(on: bool):
@@ -229,6 +252,7 @@ def set_eager_fast_path(on: bool) -> None:
     op's 3-6 us; results are the op's bit for bit, and whatever it does not
     serve (tracing, fake tensors, autograd, modes, bad input) goes to the op."""
     global eager_linear, eager_module_call
+    _check_bool(on, "set_eager_fast_path")
     if on and _eager_linear is None:
         raise RuntimeError("ulbtorch._eager is not built for this torch; the modules call torch.ops.ulb.linear")
     eager_linear = _eager_linear if on else None
@@ -245,13 +269,10 @@ _PREFETCH_MAX = 1 << 20
 _PREFETCH_AUTO = -1
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_width(bits):
-    if bits not in PREFETCH_WIDTHS:
-        raise ValueError(f"no prefetch setting for bits={bits}; widths are {PREFETCH_WIDTHS}")
+def _check_bits(bits, widths: tuple, what: str) -> None:
+    """bits checked here, before ctypes truncates it to a C int."""
+    if not (_is_int(bits) and bits in widths):
+        raise ValueError(f"no {what} for bits={bits!r}; widths are {widths}")
 
 
 def prefetch_distance(bits: int):
@@ -263,7 +284,7 @@ def prefetch_distance(bits: int):
     8 KiB only on one thread with groups of at most 40 KiB of codes per 64
     rows, else none (kernels/src/prefetch.c has the measurements). ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT,
     _8BIT) in the environment sets it at load."""
-    _check_width(bits)
+    _check_bits(bits, PREFETCH_WIDTHS, "prefetch setting")
     d = ctypes.c_int64()
     _lib.ulb_prefetch_get(bits, ctypes.byref(d))
     return "auto" if d.value == _PREFETCH_AUTO else d.value
@@ -272,9 +293,8 @@ def prefetch_distance(bits: int):
 def resolved_prefetch_distance(bits: int, threads: int, group_code_bytes: int) -> int:
     """The distance a call would use: `threads` threads, `group_code_bytes`
     bytes of codes per group of a 64-row panel (64 x group length x bits / 8)."""
-    _check_width(bits)
-    if not (_is_int(threads) and 1 <= threads <= 1 << 16):
-        raise ValueError(f"threads must be an int from 1 to 65536, got {threads!r}")
+    _check_bits(bits, PREFETCH_WIDTHS, "prefetch setting")
+    _check_threads(threads)
     if not (_is_int(group_code_bytes) and group_code_bytes >= 0):
         raise ValueError(f"group_code_bytes must be a non-negative int, got {group_code_bytes!r}")
     return _lib.ulb_prefetch_resolve(bits, threads, min(group_code_bytes, (1 << 63) - 1))
@@ -284,7 +304,7 @@ def set_prefetch_distance(bits: int, nbytes) -> None:
     """Set prefetch_distance(bits): "auto", or a multiple of 64 from 0 (no
     software prefetch) to 1 MiB. Speed only: results are the same bits at any
     distance."""
-    _check_width(bits)
+    _check_bits(bits, PREFETCH_WIDTHS, "prefetch setting")
     if nbytes == "auto":
         nbytes = _PREFETCH_AUTO
     elif not (_is_int(nbytes) and 0 <= nbytes <= _PREFETCH_MAX and nbytes % 64 == 0):
@@ -317,15 +337,20 @@ def _check_prefetch_env() -> None:
 _check_prefetch_env()
 
 
+SCHEDULER_WIDTHS = (0, 1, 2, 4, 8, 16)  # family_base in kernels/src/sched.c, and 0 for read_probe
+
+
 def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
     """The work-split table of one kernel family (bits 1, 2, 4, 8, 16 for the
     bf16 GEMV, or 0 for read_probe): per-thread share of rows, last measured
     time (us, from the job's publication to the end of the thread's share, so
     the largest is the last multi-thread call's time inside its parallel
-    region) and last number of 64-row panels (64 KiB units for the probe)."""
+    region) and last number of 64-row panels (64 KiB units for the probe).
+    isa: None for get_isa()."""
+    _check_bits(bits, SCHEDULER_WIDTHS, "scheduler table")
     st = _SchedStats()
-    if _lib.ulb_sched_stats_get(bits, ISAS.index(isa or get_isa()), ctypes.byref(st)) != 0:
-        raise ValueError(f"no scheduler table for bits={bits}")
+    if _lib.ulb_sched_stats_get(bits, _isa_index(get_isa() if isa is None else isa), ctypes.byref(st)) != 0:
+        raise RuntimeError(f"the kernels refused scheduler_stats(bits={bits}, isa={isa!r})")
     n = st.nthreads
     return dict(nthreads=n, calls=st.calls, ratio=list(st.ratio[:n]),
                 last_us=list(st.last_us[:n]), last_panels=list(st.last_panels[:n]))
@@ -337,10 +362,16 @@ def scheduler_reset() -> None:
 
 def scheduler_static(on: bool) -> None:
     """True: split rows equally (no adaptation), for comparisons."""
+    _check_bool(on, "scheduler_static")
     _lib.ulb_sched_set_static(int(on))
 
 
 def set_thread_slowdown(tid: int, factor: float) -> None:
-    """Testing knob: make pool thread `tid` take `factor` times as long."""
+    """Testing knob: make pool thread `tid` (0 to 63) take `factor` (finite,
+    >= 1) times as long."""
+    if not (_is_int(tid) and 0 <= tid < _MAX_THREADS and isinstance(factor, (int, float))
+            and not isinstance(factor, bool) and 1.0 <= factor < float("inf")):
+        raise ValueError(f"invalid slowdown tid={tid!r} factor={factor!r}: tid must be an int from 0 to "
+                         f"{_MAX_THREADS - 1}, factor a finite number >= 1")
     if _lib.ulb_sched_set_slowdown(tid, float(factor)) != 0:
-        raise ValueError(f"invalid slowdown tid={tid} factor={factor}")
+        raise RuntimeError(f"the kernels refused slowdown tid={tid} factor={factor}")

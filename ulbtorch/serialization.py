@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import warnings
 
 from safetensors.torch import load_model, save_model
 from torch import nn
@@ -87,6 +88,15 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
     gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
     if gemv:
         bf16_gemv_(model, include=[glob.escape(n) for n in gemv])  # names, not patterns
+        here = dict(model.named_modules(remove_duplicate=False))
+        # bf16_gemv_ takes only bf16 layers: a model built in another dtype keeps these on F.linear.
+        skipped = [f"{n} ({str(here[n].weight.dtype).removeprefix('torch.')})"
+                   for n in gemv if type(here.get(n)) is nn.Linear]
+        if skipped:
+            warnings.warn(f"load_quantized: {', '.join(skipped)} left on F.linear: the saved model ran these "
+                          "layers in bf16 on ulbtorch's bf16 GEMV (nn.LinearBF16), but their weights here are not "
+                          "bfloat16, so the outputs differ from the saved model's; build the model with "
+                          "dtype=torch.bfloat16 to reproduce it", stacklevel=2)
     if hugepages:
         move_to_hugepages(model)
     return model

@@ -16,6 +16,7 @@ from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import patterns
 from ..quantize import LM_HEAD, QuantConfig, quantize_
+from ..runtime import _check_bool
 from ..serialization import retile_for_this_cpu
 
 QUANT_METHOD = "ulb"
@@ -49,7 +50,8 @@ class UlbConfig(QuantizationConfigMixin):
                         lm_head_group_size=lm_head_group_size)
         self.bits, self.format, self.group_size = q.bits, q.format, q.group_size
         self.granularity, self.method = q.granularity, q.method
-        self.bf16_gemv = bool(bf16_gemv)
+        _check_bool(bf16_gemv, "UlbConfig's bf16_gemv")
+        self.bf16_gemv = bf16_gemv
         self.lm_head_bits, self.lm_head_group_size = lm_head_bits, q.lm_head_group_size
 
     def to_dict(self) -> dict:
