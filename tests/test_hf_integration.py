@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+import ulbtorch  # noqa: E402
 from ulbtorch import UlbConfig  # noqa: E402
 from ulbtorch.importers import convert_bitnet_model  # noqa: E402
 from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary  # noqa: E402
@@ -42,6 +43,29 @@ def test_quantize_on_load_then_save_and_reload_bit_exact(float_dir, tmp_path, bi
     assert isinstance(layer, cls)
     assert torch.equal(layer.packed, model.model.layers[1].mlp.down_proj.packed)
     assert torch.equal(again(ids).logits, logits)
+
+
+@pytest.mark.parametrize("kwargs", [dict(bits=2, group_size=32), dict(bits=1, exclude=["*.q_proj", "lm_head"]),
+                                    dict(bits=2, lm_head_bits=8)])
+def test_quantize_then_save_pretrained_reloads_packed(float_dir, tmp_path, kwargs):
+    """quantize_ records its UlbConfig in model.config, so transformers'
+    save_pretrained writes a checkpoint from_pretrained loads packed (without
+    it, from_pretrained built nn.Linear layers with random weights)."""
+    model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), **kwargs)
+    assert model.config.quantization_config.to_quant_config().to_dict() == ulbtorch.QuantConfig(**kwargs).to_dict()
+    ids = torch.randint(0, 300, (1, 7))
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()]
+    assert torch.equal(again(ids).logits, logits)
+
+
+def test_quantize_with_include_patterns_records_no_config(float_dir):
+    """UlbConfig has no include patterns: such a model is saved with
+    ulbtorch.save_quantized, and its config says nothing it cannot mean."""
+    model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), bits=2, include=["*.mlp.*"])
+    assert getattr(model.config, "quantization_config", None) is None
 
 
 def test_bf16_gemv_option_survives_save_and_reload(float_dir, tmp_path):

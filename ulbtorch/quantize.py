@@ -188,6 +188,9 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         replace_everywhere(model, names, lin, layer)
     if config.bf16_gemv:
         bf16_gemv_(model)
+    if type(getattr(model, "config", None)).__module__.startswith("transformers."):
+        from .integrations.transformers import record_quant_config
+        record_quant_config(model, config)
     placed = move_to_hugepages(model) if hugepages else None
     if progress:
         print(f"quantize_: {len(targets)} layers to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "

@@ -68,6 +68,24 @@ class UlbConfig(QuantizationConfigMixin):
                            lm_head_bits=self.lm_head_bits, lm_head_group_size=self.lm_head_group_size)
 
 
+def record_quant_config(model, config: QuantConfig) -> None:
+    """After quantize_: set model.config.quantization_config to the UlbConfig
+    of `config`, so that transformers' save_pretrained writes a checkpoint
+    that from_pretrained loads packed (without it, from_pretrained builds
+    nn.Linear layers and leaves their weights random). Left alone where a
+    UlbConfig cannot say what quantize_ did: include patterns, a quantized
+    lm_head tied to the input embedding, or another quantization method."""
+    previous = getattr(model.config, "quantization_config", None)
+    if previous is not None and getattr(previous, "quant_method", None) != QUANT_METHOD:
+        return
+    if config.include != ["*"] or (config.lm_head_bits is not None and model.config.tie_word_embeddings):
+        return
+    model.config.quantization_config = UlbConfig(
+        bits=config.bits, format=config.format, group_size=config.group_size, granularity=config.granularity,
+        method=config.method, modules_to_not_convert=config.exclude, bf16_gemv=config.bf16_gemv,
+        lm_head_bits=config.lm_head_bits, lm_head_group_size=config.lm_head_group_size)
+
+
 def _check_untied_output(model, targets) -> None:
     """transformers ties lm_head.weight to the input embedding when the
     config says so, at save and at load; a packed lm_head has no such weight."""
