@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.integrations.bitnet import pack_weights, unpack_weights  # noqa: E402
 
 import ulbtorch  # noqa: E402
-from ulbtorch.importers import load_bitnet_checkpoint, pack_grid_weight, unpack_hf_bitnet  # noqa: E402
+from ulbtorch.importers import (convert_grid_linears, load_bitnet_checkpoint, pack_grid_weight,  # noqa: E402
+                                unpack_hf_bitnet)
 from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary  # noqa: E402
 
 CFG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -191,6 +192,99 @@ def test_grid_refuses_off_grid_rows():
         for bad in (float("nan"), float("inf"), -float("inf")):
             with pytest.raises(ValueError, match="w: row 1 holds NaN or infinite"):
                 pack_grid_weight(torch.tensor([[0.25, -0.25, 0.25], [bad, 0.25, -0.25]]), bits, "w")
+
+
+GRID_LAYER = {1: Linear1Bit, "ternary": LinearTernary, 2: Linear2Bit}
+
+
+def assert_grid_bit_exact(w, bits):
+    codes, scales, fmt = pack_grid_weight(w, bits, "w")
+    layer = GRID_LAYER[bits].from_codes(codes, scales, format=fmt)
+    assert torch.equal(layer.dequantize().to(w.dtype), w)
+
+
+def test_grid_2bit_outer_magnitude_a_power_of_two():
+    """bf16(3 * 0.0208) = 0.0625 = 2^-4, whose rounding interval reaches only
+    a quarter step below it: a scale picked from a symmetric half-step
+    interval gave back 0.0623 and the row was refused."""
+    row = (torch.tensor(0.0208) * torch.tensor([-3.0, -1, 1, 3] * 8)).bfloat16()[None]
+    assert row.float().abs().amax().item() == 2.0 ** -4
+    assert_grid_bit_exact(row, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 4, bias=False, dtype=torch.bfloat16))
+    with torch.no_grad():
+        model[0].weight.copy_(row.expand(4, 32))
+    convert_grid_linears(model, 2)
+    assert type(model[0]) is Linear2Bit
+    assert torch.equal(model[0].dequantize().to(torch.bfloat16), row.expand(4, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [1, "ternary", 2])
+def test_grid_random_genuine_rows_bit_exact(bits, dtype):
+    """Rows computed as fp32 scale x level and rounded to dtype, as a
+    checkpoint trained on the grid stores them; two thirds of the scales sit
+    near a power of two (for 2 bits, a or 3a near one), where rounding
+    intervals are lopsided."""
+    g = torch.Generator().manual_seed(3)
+    M, K = 20000, 32
+    pow2 = torch.exp2(torch.randint(-12, 4, (M, 1), generator=g).float())
+    jitter = 1 + (torch.rand(M, 1, generator=g) * 2 - 1) * 2.0 ** -7
+    kind = torch.randint(0, 3, (M, 1), generator=g)
+    scale = torch.where(kind == 0, torch.exp2(torch.rand(M, 1, generator=g) * 16 - 12),
+                        torch.where(kind == 1, pow2, pow2 / 3) * jitter)
+    if bits == 1:
+        levels = torch.tensor([-1.0, 1])[torch.randint(0, 2, (M, K), generator=g)]
+    elif bits == "ternary":
+        levels = torch.tensor([-1.0, 0, 1])[torch.randint(0, 3, (M, K), generator=g)]
+    else:
+        levels = torch.tensor([-3.0, -1, 1, 3])[torch.randint(0, 4, (M, K), generator=g)]
+    w = (levels * scale).to(dtype)
+    if bits == 2:  # rows that meet the lopsided interval: 3x the inner magnitude rounds up to a power of two
+        outer = w.float().abs().amax(1)
+        assert ((outer == torch.exp2(torch.log2(outer).round())) & (outer > 3 * w.float().abs().amin(1))).sum() > 100
+    assert_grid_bit_exact(w, bits)
+
+
+def test_grid_2bit_refuses_outer_magnitude_one_step_off():
+    """Inner magnitude 1.0 (bf16(a) = 1 for a in [1 - 2^-9, 1 + 2^-8]): 3a
+    rounds to 3.0 or 3.015625, never to the bf16 neighbours beyond them."""
+    for hi in (3.0, 3.015625):
+        assert_grid_bit_exact(torch.tensor([[1.0, -hi, hi, -1.0]], dtype=torch.bfloat16), 2)
+    for hi in (2.984375, 3.03125):
+        with pytest.raises(ValueError, match=f"w: row 0 is not on a 2-bit grid: magnitudes 1.0 and {hi} "):
+            pack_grid_weight(torch.tensor([[1.0, -hi, hi, -1.0]], dtype=torch.bfloat16), 2, "w")
+
+
+def grid_model():
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        block = torch.nn.Module()
+        block.q_proj, block.up_proj = torch.nn.Linear(32, 8), torch.nn.Linear(32, 8)
+        model.model.layers.append(block)
+    model.model.lm_head = torch.nn.Linear(32, 8)  # nested: the default exclude still keeps it
+    model.lm_head = torch.nn.Linear(32, 8)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(torch.sign(torch.randn(8, 32)) * 0.125)
+    return model
+
+
+def converted(model):
+    return sorted(n for n, m in model.named_modules() if type(m) is Linear1Bit)
+
+
+def test_convert_grid_linears_include_exclude_are_fnmatch_patterns():
+    torch.manual_seed(4)
+    blocks = ["model.layers.0.q_proj", "model.layers.0.up_proj", "model.layers.1.q_proj", "model.layers.1.up_proj"]
+    assert converted(convert_grid_linears(grid_model(), 1)) == blocks
+    assert converted(convert_grid_linears(grid_model(), 1, exclude=["*"])) == []
+    assert converted(convert_grid_linears(grid_model(), 1, include=["*.q_proj"])) == blocks[::2]
+    assert converted(convert_grid_linears(grid_model(), 1, include="model.layers.1.*", exclude=["*up_proj"])) == \
+        ["model.layers.1.q_proj"]
+    assert converted(convert_grid_linears(grid_model(), 1, exclude=[])) == sorted(blocks + ["lm_head", "model.lm_head"])
 
 
 def test_meta_construction_touches_only_its_own_thread():

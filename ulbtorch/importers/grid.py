@@ -17,15 +17,22 @@ import torch
 from torch import nn
 
 from ..nn import MODULE_FOR_FORMAT, replace_module
-from ..nn.replace import patterns
+from ..nn.replace import name_selected, patterns
+from ..quantize import LM_HEAD
 
 GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
 
 
-def _half_ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half the spacing of `dtype` numbers at |v| (> 0), in fp32."""
-    mant = torch.finfo(dtype).eps  # 2^-(mantissa bits)
-    return torch.exp2(torch.floor(torch.log2(v.abs()))) * mant / 2
+def _rounding_interval(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ends, in fp64, of the reals that round to each positive finite `dtype`
+    value in v: halfway to its neighbours. At a power of two the neighbour
+    below is half as far as the one above, so the interval is lopsided."""
+    v = v.to(dtype)
+    down = torch.nextafter(v, torch.zeros_like(v)).double()
+    up = torch.nextafter(v, torch.full_like(v, float("inf"))).double()
+    v = v.double()
+    up = torch.where(torch.isinf(up), 2 * v - down, up)  # the largest finite value: overflow starts half a step up
+    return (down + v) / 2, (v + up) / 2
 
 
 def _fail(name: str, row: int, why: str):
@@ -65,8 +72,14 @@ def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
     if mid.any():
         _fail(name, int(mid.any(dim=1).nonzero()[0]), "2-bit grid: it holds more than two magnitudes")
     two = hi > lo
-    u1, u3 = _half_ulp(lo, weight.dtype), _half_ulp(hi, weight.dtype)
-    s = torch.where(two, (torch.maximum(lo - u1, (hi - u3) / 3) + torch.minimum(lo + u1, (hi + u3) / 3)) / 2, lo)
+    # The middle of the intersection rather than an end: whether an end itself
+    # rounds in (ties go to even) cannot matter, and for bf16 or fp16 the
+    # intersection is wide enough that rounding s and 3s to fp32 keeps them
+    # inside it. The check below refuses a row whose intersection is empty.
+    lo_down, lo_up = _rounding_interval(lo, weight.dtype)
+    hi_down, hi_up = _rounding_interval(hi, weight.dtype)
+    centre = (torch.maximum(lo_down, hi_down / 3) + torch.minimum(lo_up, hi_up / 3)) / 2
+    s = torch.where(two, centre.float(), lo)
     inner = (s.to(weight.dtype).float() == lo)
     outer = ((3 * s).to(weight.dtype).float() == hi) | ~two
     bad = ~(inner & outer)
@@ -78,13 +91,13 @@ def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
     return codes, s.reshape(M, 1), fmt
 
 
-def convert_grid_linears(model: nn.Module, bits, *, exclude=("lm_head",)) -> nn.Module:
-    """Replace every nn.Linear (except `exclude`) whose weight is on the grid
-    by the matching low-bit layer, in place, without re-quantising."""
-    exclude = patterns(exclude, "exclude")
-    for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
-        if any(name == e or name.endswith("." + e) for e in exclude):
-            continue
+def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tuple(LM_HEAD)) -> nn.Module:
+    """Replace every nn.Linear whose weight is on the grid by the matching
+    low-bit layer, in place, without re-quantising. include / exclude:
+    fnmatch patterns on module names, as in quantize_; exclude wins."""
+    include, exclude = patterns(include, "include"), patterns(exclude, "exclude")
+    chosen = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and name_selected(n, include, exclude)]
+    for name, lin in chosen:
         codes, scales, fmt = pack_grid_weight(lin.weight, bits, name + ".weight")
         layer = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, bias=lin.bias,
                                                   granularity="channel")
