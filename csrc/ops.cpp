@@ -8,6 +8,8 @@
 
 #include <cstring>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
@@ -16,6 +18,20 @@
 using torch::stable::Tensor;
 
 namespace {
+
+// STD_TORCH_CHECK, but the message alone: PyTorch's macro puts the C++
+// function, file and line in front, which tell a Python caller nothing. The
+// std::runtime_error reaches Python as a RuntimeError either way.
+template <typename... Args>
+[[noreturn]] void fail(const Args &...args) {
+  std::ostringstream msg;
+  (msg << ... << args);
+  throw std::runtime_error(msg.str());
+}
+#define ULB_CHECK(cond, ...)        \
+  do {                              \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
 
 // The shim's codes for the dtypes and device the ops meet, read once at load.
 // Tensor::scalar_type() compares a tensor's code with one out-of-line shim
@@ -72,16 +88,16 @@ struct Meta {
 };
 
 void check_ok(ulb_status st, const char *op) {
-  STD_TORCH_CHECK(st == ULB_OK, "ulb.", op, ": ", ulb_status_str(st));
+  ULB_CHECK(st == ULB_OK, "ulb.", op, ": ", ulb_status_str(st));
 }
 
 void check_cpu(const Meta &m, const char *op, const char *name) {
-  STD_TORCH_CHECK(m.device == kCPU, "ulb.", op, ": ", name,
+  ULB_CHECK(m.device == kCPU, "ulb.", op, ": ", name,
                   " must be a CPU tensor (use the pure-PyTorch path for other devices)");
 }
 
 ulb_dtype act_dtype(const Meta &m, const char *op, const char *name) {
-  STD_TORCH_CHECK(m.dtype == kF32 || m.dtype == kBF16, "ulb.", op, ": ", name,
+  ULB_CHECK(m.dtype == kF32 || m.dtype == kBF16, "ulb.", op, ": ", name,
                   " must be float32 or bfloat16, got ", dtype_name(m.dtype));
   return m.dtype == kF32 ? ULB_DT_F32 : ULB_DT_BF16;
 }
@@ -96,7 +112,7 @@ struct Packed {
 Packed check_packed(const Tensor &packed, const char *op) {
   const Meta m(packed);
   check_cpu(m, op, "packed weight");
-  STD_TORCH_CHECK(m.dtype == kU8 && m.dim == 1 && m.contiguous(), "ulb.", op,
+  ULB_CHECK(m.dtype == kU8 && m.dim == 1 && m.contiguous(), "ulb.", op,
                   ": packed weight must be a 1-D contiguous uint8 tensor made by ulb.pack, got dtype ",
                   dtype_name(m.dtype), " with ", m.dim, " dims");
   Packed p{static_cast<const uint8_t *>(packed.const_data_ptr()), m.sizes[0], {}};
@@ -122,7 +138,7 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
 
 // A tile order `op` may pass on for format fi (checked before it narrows to int).
 void check_tiles(const char *op, const ulb_format_info *fi, int64_t tiles) {
-  STD_TORCH_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI ||
+  ULB_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI ||
                       (tiles == ULB_TILES_LANES && fi->bits == 1),
                   "ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name,
                   " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
@@ -133,18 +149,18 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
   check_cpu(mc, "pack", "codes");
   check_cpu(ms, "pack", "scales");
   const ulb_format_info *fi = ulb_format_get(static_cast<int>(format));
-  STD_TORCH_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
-  STD_TORCH_CHECK(mc.dtype == kU8 && mc.dim == 2,
+  ULB_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
+  ULB_CHECK(mc.dtype == kU8 && mc.dim == 2,
                   "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
                   dtype_name(mc.dtype), " with ", mc.dim, " dims");
-  STD_TORCH_CHECK(ms.dtype == kF32 && ms.dim == 2,
+  ULB_CHECK(ms.dtype == kF32 && ms.dim == 2,
                   "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
   check_tiles("pack", fi, tiles);
   const int64_t M = mc.sizes[0], K = mc.sizes[1];
   const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
   if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
   const int64_t G = (group_size <= 0 || group_size >= K) ? 1 : (K + group_size - 1) / group_size;
-  STD_TORCH_CHECK(ms.sizes[0] == M && ms.sizes[1] == G, "ulb.pack: scales must have shape [", M, ", ", G,
+  ULB_CHECK(ms.sizes[0] == M && ms.sizes[1] == G, "ulb.pack: scales must have shape [", M, ", ", G,
                   "] for group_size ", group_size, ", got [", ms.sizes[0], ", ", ms.sizes[1], "]");
   codes = torch::stable::contiguous(codes);
   scales = torch::stable::contiguous(scales);
@@ -215,7 +231,7 @@ Bias checked_bias(const std::optional<Tensor> &bias, int64_t M, const char *op) 
   const Meta m(*bias);
   check_cpu(m, op, "bias");
   const ulb_dtype dt = act_dtype(m, op, "bias");
-  STD_TORCH_CHECK(m.dim == 1 && m.sizes[0] == M, "ulb.", op, ": bias must have shape [", M, "]");
+  ULB_CHECK(m.dim == 1 && m.sizes[0] == M, "ulb.", op, ": bias must have shape [", M, "]");
   Tensor b = m.contiguous() ? *bias : torch::stable::contiguous(*bias);
   return {b.const_data_ptr(), dt, b};
 }
@@ -232,10 +248,10 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
   const Meta mx(x);
   check_cpu(mx, "linear", "input");
   const ulb_dtype xdt = act_dtype(mx, "linear", "input");
-  STD_TORCH_CHECK(mx.dim >= 1, "ulb.linear: input must have at least 1 dim");
+  ULB_CHECK(mx.dim >= 1, "ulb.linear: input must have at least 1 dim");
   const int64_t K = mx.last();
-  STD_TORCH_CHECK(K == p.h.K, "ulb.linear: input has ", K, " features but the packed weight expects ", p.h.K);
-  STD_TORCH_CHECK(out_features == p.h.M, "ulb.linear: out_features=", out_features,
+  ULB_CHECK(K == p.h.K, "ulb.linear: input has ", K, " features but the packed weight expects ", p.h.K);
+  ULB_CHECK(out_features == p.h.M, "ulb.linear: out_features=", out_features,
                   " but the packed weight has ", p.h.M, " rows");
   const Bias b = checked_bias(bias, p.h.M, "linear");
   Tensor y = new_output(mx, p.h.M);
@@ -252,7 +268,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_act(Tensor x, Tensor packed) {
   const Meta mx(x);
   check_cpu(mx, "quantize_act", "input");
   const ulb_dtype xdt = act_dtype(mx, "quantize_act", "input");
-  STD_TORCH_CHECK(mx.dim == 2 && mx.sizes[1] == h.K, "ulb.quantize_act: input must be [N, ", h.K, "]");
+  ULB_CHECK(mx.dim == 2 && mx.sizes[1] == h.K, "ulb.quantize_act: input must be [N, ", h.K, "]");
   const int64_t N = mx.sizes[0];
   Tensor xq = new_tensor({N, h.K_pad}, kI8);
   Tensor xs = new_tensor({N}, kF32);
@@ -268,9 +284,9 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
   const Packed p = check_packed(packed, "int_dots");
   const Meta mq(xq), ms(xsum);
   check_cpu(mq, "int_dots", "xq");
-  STD_TORCH_CHECK(mq.dtype == kI8 && mq.dim == 2 && mq.sizes[1] == p.h.K_pad, "ulb.int_dots: xq must be int8 [N, ",
+  ULB_CHECK(mq.dtype == kI8 && mq.dim == 2 && mq.sizes[1] == p.h.K_pad, "ulb.int_dots: xq must be int8 [N, ",
                   p.h.K_pad, "]");
-  STD_TORCH_CHECK(ms.dtype == kI32 && ms.dim == 2 && ms.sizes[0] == mq.sizes[0] && ms.sizes[1] == p.h.n_groups,
+  ULB_CHECK(ms.dtype == kI32 && ms.dim == 2 && ms.sizes[0] == mq.sizes[0] && ms.sizes[1] == p.h.n_groups,
                   "ulb.int_dots: xsum must be int32 [N, ", p.h.n_groups, "]");
   const int64_t N = mq.sizes[0];
   xq = torch::stable::contiguous(xq);
@@ -289,16 +305,16 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
 Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   const Meta mw(weight);
   check_cpu(mw, "linear_bf16", "weight");
-  STD_TORCH_CHECK(mw.dtype == kBF16 && mw.dim == 2 && mw.strides[1] == 1,
+  ULB_CHECK(mw.dtype == kBF16 && mw.dim == 2 && mw.strides[1] == 1,
                   "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with contiguous rows, got ",
                   dtype_name(mw.dtype), " with ", mw.dim, " dims");
   const int64_t M = mw.sizes[0], K = mw.sizes[1];
-  STD_TORCH_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
+  ULB_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
   const Meta mx(x);
   check_cpu(mx, "linear_bf16", "input");
-  STD_TORCH_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
+  ULB_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
                   dtype_name(mx.dtype));
-  STD_TORCH_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.last(),
+  ULB_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.last(),
                   " features but the weight expects ", K);
   const Bias b = checked_bias(bias, M, "linear_bf16");
   Tensor y = new_output(mx, M);
