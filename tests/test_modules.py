@@ -524,3 +524,17 @@ def test_quantize_warns_when_nothing_is_converted():
     with pytest.warns(UserWarning, match="no layer converted.*1 plain nn.Linear"):
         ulbtorch.quantize_(model, bits=2, include=["nothing.*"])
     assert type(model[0]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_autocast_runs_bf16_like_nn_linear(gen, cls, fmt):
+    """Under CPU autocast nn.Linear casts input and bias to bf16 and returns
+    bf16; the low-bit layers do the same (the module call and the op)."""
+    _, layer = _layer(gen, cls, fmt)
+    x = torch.randn(3, K_IN, generator=gen)
+    want = torch.ops.ulb.linear(x.bfloat16(), layer.packed, layer.bias.bfloat16(), M_OUT)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.nn.Linear(K_IN, M_OUT)(x).dtype == torch.bfloat16
+        y = layer(x)
+        y_op = torch.ops.ulb.linear(x, layer.packed, layer.bias, M_OUT)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want) and torch.equal(y_op, want)

@@ -25,6 +25,11 @@ def _linear_fake(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+# Under torch.autocast on CPU nn.Linear computes in and returns bf16; so does
+# ulb.linear, whatever the autocast dtype (it takes no fp16).
+torch.library.register_autocast("ulb::linear", "cpu", torch.bfloat16)
+
+
 @torch.library.register_fake("ulb::linear_bf16")
 def _linear_bf16_fake(x, weight, bias):
     _check_same_device("linear_bf16", x, weight=weight, bias=bias)
