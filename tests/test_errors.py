@@ -318,6 +318,16 @@ def test_quant_config_option_types(kwargs, match):
         ulbtorch.QuantConfig(**kwargs)
 
 
+def test_quant_config_bits_and_format_must_agree():
+    with pytest.raises(ValueError, match="bits must be 1, 'ternary'/1.58, 2, 4 or 8, got 3"):
+        ulbtorch.QuantConfig(bits=3, format="int4")
+    with pytest.raises(ValueError, match="bits=1 and format='ternary' disagree"):
+        ulbtorch.QuantConfig(bits=1, format="ternary")
+    assert ulbtorch.QuantConfig(bits=4, format="int4").format == "int4"
+    assert ulbtorch.QuantConfig(format="int2").format == "int2"  # bits left at its default
+    assert ulbtorch.QuantConfig(bits="ternary", format="ternary").format == "ternary"
+
+
 def test_ulb_config_checks_options_as_quantize_does():
     pytest.importorskip("transformers")
     for kwargs, error, match in [(dict(bits=True), ValueError, "bits must be 1, 'ternary'/1.58, 2, 4 or 8"),

@@ -78,6 +78,8 @@ class QuantConfig:
                 raise ValueError(f"{name} must be 0 (one scale per output channel) or positive, got {value}")
         if self.format is None:
             self.format = _format_for_bits(self.bits)
+        elif self.bits != 2 and _format_for_bits(self.bits) != self.format:  # 2: the default, read as unset
+            raise ValueError(f"bits={self.bits!r} and format={self.format!r} disagree; give one of them")
         if self.lm_head_group_size and self.lm_head_bits is None:
             raise ValueError(f"lm_head_group_size={self.lm_head_group_size} needs lm_head_bits")
         if self.lm_head_bits is not None:
