@@ -553,3 +553,9 @@ def test_read_probe_stream_count(streams):
 def test_read_probe_misaligned():
     with pytest.raises(ValueError, match="8-byte aligned"):
         runtime.read_probe(torch.zeros(80, dtype=torch.uint8)[3:])
+
+
+@pytest.mark.parametrize("args", [(128.0, 64), (128, 64.0), (True, 64), ("128", 64)])
+def test_layer_features_must_be_ints(args):
+    with pytest.raises(TypeError, match="features must be an int"):
+        ulbtorch.nn.Linear2Bit(*args)

@@ -7,6 +7,8 @@ the weight, cached for the device last used.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -77,6 +79,10 @@ class LowBitLinear(nn.Module):
                  format: str | None = None, group_size: int = 0, granularity: str | None = None,
                  device=None, dtype=None):
         super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not hasattr(type(v), "__index__"):  # ints, numpy's and torch's too
+                raise TypeError(f"{type(self).__name__}: {name} must be an int, got {v!r}")
+        in_features, out_features = operator.index(in_features), operator.index(out_features)
         fmt = get_format(format or self.FORMATS[0])
         if fmt.name not in self.FORMATS:
             raise ValueError(f"{type(self).__name__} takes formats {self.FORMATS}, got {fmt.name!r}")
