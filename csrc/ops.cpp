@@ -6,6 +6,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <climits>
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -148,7 +149,7 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
   const Meta mc(codes), ms(scales);
   check_cpu(mc, "pack", "codes");
   check_cpu(ms, "pack", "scales");
-  const ulb_format_info *fi = ulb_format_get(static_cast<int>(format));
+  const ulb_format_info *fi = format >= 0 && format <= INT_MAX ? ulb_format_get(static_cast<int>(format)) : nullptr;
   ULB_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
   ULB_CHECK(mc.dtype == kU8 && mc.dim == 2,
                   "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
@@ -292,10 +293,12 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
   xq = torch::stable::contiguous(xq);
   xsum = torch::stable::contiguous(xsum);
   Tensor out = new_tensor({N, p.h.M, p.h.n_groups}, kI32);
-  check_ok(ulb_int_dots(p.blob, p.nbytes, N, static_cast<const int8_t *>(xq.const_data_ptr()),
-                        static_cast<const int32_t *>(xsum.const_data_ptr()),
-                        static_cast<int32_t *>(out.mutable_data_ptr())),
-           "int_dots");
+  const ulb_status st = ulb_int_dots(p.blob, p.nbytes, N, static_cast<const int8_t *>(xq.const_data_ptr()),
+                                     static_cast<const int32_t *>(xsum.const_data_ptr()),
+                                     static_cast<int32_t *>(out.mutable_data_ptr()));
+  ULB_CHECK(st != ULB_ERR_SHAPE, "ulb.int_dots: xq must be zero past in_features and xsum the sums of xq over "
+            "each group, as ulb.quantize_act gives them");
+  check_ok(st, "int_dots");
   return out;
 }
 

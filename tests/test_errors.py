@@ -11,6 +11,7 @@ import torch
 
 import ulbtorch
 from ulbtorch import ops, runtime
+from ulbtorch.formats import n_groups
 from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, LinearTernary
 
 M, K = 8, 64
@@ -112,6 +113,30 @@ def test_int_dots_and_quantize_act_shapes(blob):
         torch.ops.ulb.int_dots(blob, torch.zeros(3, 64), torch.zeros(3, 1, dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"xsum must be int32 \[N, 1\]"):
         torch.ops.ulb.int_dots(blob, torch.zeros(3, 64, dtype=torch.int8), torch.zeros(2, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("group_size", [0, 32])
+def test_int_dots_takes_only_quantize_act_output(group_size):
+    """The AMX GEMM reads xq's padding and ignores xsum, the other kernels the
+    reverse: anything but quantize_act's output would make the dots depend on
+    the ISA, so it is refused (from 16 tokens AMX differed from scalar)."""
+    codes = torch.randint(0, 4, (16, 100), dtype=torch.uint8)
+    blob = ops.pack(codes, torch.ones(16, n_groups(group_size, 100)), "int2", group_size)
+    xq, _, xsum = torch.ops.ulb.quantize_act(torch.randn(16, 100), blob)
+    torch.ops.ulb.int_dots(blob, xq, xsum)
+    padded, off = xq.clone(), xsum.clone()
+    padded[:, -1] = 1
+    off[5, -1] += 1
+    for args in ((blob, padded, xsum), (blob, xq, off)):
+        with pytest.raises(RuntimeError, match="xq must be zero past in_features and xsum the sums of xq"):
+            torch.ops.ulb.int_dots(*args)
+
+
+@pytest.mark.parametrize("fmt", [2 ** 32 + 2, -(2 ** 32) + 4, 7])
+def test_pack_format_id_checked_before_narrowing(fmt):
+    """An int64 format id was cast to int first: 2**32 + 2 packed as format 2."""
+    with pytest.raises(RuntimeError, match=f"unknown format id {fmt}"):
+        torch.ops.ulb.pack(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), fmt, 0)
 
 
 def test_meta_input_to_op_raises(blob, x):

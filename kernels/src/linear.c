@@ -283,12 +283,34 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     return st;
 }
 
+/* Whether xq (N x K_pad) and xsum are what ulb_quantize_act gives: zeros
+ * past K and each group's sum. The kernels rely on it in different ways
+ * (the AMX GEMM multiplies signed levels and reads the padding, the others
+ * take the level offset from xsum), so other input would make the result
+ * depend on the ISA. */
+static int acts_consistent(const ulb_weight *w, int64_t N, const int8_t *xq, const int32_t *xsum) {
+    const int64_t group = w->gsteps * ulb_tile_k(w->bits);
+    int32_t sums[64];
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *q = xq + n * w->K_pad;
+        for (int64_t k = w->K; k < w->K_pad; k++)
+            if (q[k]) return 0;
+        for (int64_t g0 = 0; g0 < w->n_groups; g0 += 64) {
+            const int64_t ng = w->n_groups - g0 < 64 ? w->n_groups - g0 : 64;
+            const int64_t k0 = g0 * group, k1 = k0 + ng * group < w->K_pad ? k0 + ng * group : w->K_pad;
+            ulb_group_sums_ref(q + k0, k1 - k0, group, sums);
+            if (memcmp(sums, xsum + n * w->n_groups + g0, (size_t)ng * sizeof(int32_t))) return 0;
+        }
+    }
+    return 1;
+}
+
 ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const int8_t *xq,
                         const int32_t *xsum, int32_t *dots) {
     ulb_weight w;
     ulb_status st = ulb_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
-    if (N < 0) return ULB_ERR_SHAPE;
+    if (N < 0 || !acts_consistent(&w, N, xq, xsum)) return ULB_ERR_SHAPE;
     const ulb_isa isa = ulb_isa_active();
     const ulb_panel_fn fn = ulb_panel_for_isa(isa);
     const ulb_gemm_kernel *gemm = ulb_gemm_for_isa(isa, N);

@@ -1,4 +1,5 @@
 #include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "sched.h"
@@ -24,8 +25,9 @@ typedef struct {
 } table;
 
 static table tables[ULB_SCHED_FAMILIES];
-static double slowdown[ULB_MAX_THREADS];
-static int static_split;
+/* Test knobs, set from Python while workers may read them. */
+static _Atomic double slowdown[ULB_MAX_THREADS];
+static _Atomic int static_split;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* First family of a code width (one per ISA follows), or -1 for a width

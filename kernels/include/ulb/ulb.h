@@ -150,7 +150,9 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N,
                       void *y, ulb_dtype y_dt, int64_t ldy, int nthreads);
 
 /* Integer core alone, for tests: dots[n, m, g] = sum_{k in g} level[m,k] * xq[n,k]
- * from already-quantised activations xq (N x K_pad). */
+ * from already-quantised activations xq (N x K_pad) and their per-group sums
+ * xsum (N x n_groups), as ulb_quantize_act gives them: ULB_ERR_SHAPE if xq
+ * is not zero past K or xsum is not its group sums. */
 ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
                         const int8_t *xq, const int32_t *xsum, int32_t *dots);
 
