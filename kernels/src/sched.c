@@ -16,10 +16,15 @@
  * measured and can win work back when it speeds up again. */
 #define MIN_SHARE 0.05
 
+/* weight[i]: thread i's speed on this family, up to a common factor; a
+ * call on n threads splits by the first n. The table outlives changes of the
+ * thread count (a model's short layers run on fewer threads than its long
+ * ones, ulb_parallel gives each thread a panel at least), so thread i keeps
+ * what was learned of it; 0 = never measured. */
 typedef struct {
-    int nthreads;
+    int nthreads; /* of the last call */
     int64_t calls;
-    double ratio[ULB_MAX_THREADS];
+    double weight[ULB_MAX_THREADS];
     double last_us[ULB_MAX_THREADS];
     int64_t last_work[ULB_MAX_THREADS];
 } table;
@@ -56,21 +61,29 @@ int ulb_sched_family(int bits, ulb_isa isa) {
     return (base < 0 ? ULB_SCHED_BF16 : base) + (int)slot;
 }
 
-static void reset_table(table *t, int n) {
-    memset(t, 0, sizeof *t);
-    t->nthreads = n;
-    for (int i = 0; i < n; i++) t->ratio[i] = 1.0 / n;
+/* Thread i's share of a call on n threads (ratio[0..n) sums to 1); a thread
+ * never measured counts as the mean of those that were, or all equal. */
+static void shares(table *t, int n, double *ratio) {
+    double known = 0.0, sum = 0.0;
+    int nknown = 0;
+    for (int i = 0; i < n; i++)
+        if (t->weight[i] > 0.0) known += t->weight[i], nknown++;
+    for (int i = 0; i < n; i++) {
+        if (t->weight[i] <= 0.0) t->weight[i] = nknown ? known / nknown : 1.0;
+        sum += t->weight[i];
+    }
+    for (int i = 0; i < n; i++) ratio[i] = t->weight[i] / sum;
 }
 
 void ulb_sched_split(int family, int n, int64_t nwork, int64_t *begin, int64_t *end) {
     pthread_mutex_lock(&lock);
-    table *t = &tables[family];
-    if (t->nthreads != n) reset_table(t, n);
+    double ratio[ULB_MAX_THREADS];
+    shares(&tables[family], n, ratio);
     int64_t share[ULB_MAX_THREADS];
     double cum = 0.0;
     int64_t prev = 0;
     for (int i = 0; i < n; i++) {
-        cum += static_split ? 1.0 / n : t->ratio[i];
+        cum += static_split ? 1.0 / n : ratio[i];
         int64_t e = i == n - 1 ? nwork : (int64_t)(cum * (double)nwork + 0.5);
         if (e < prev) e = prev;
         if (e > nwork) e = nwork;
@@ -102,7 +115,10 @@ void ulb_sched_record(int family, int n, const int64_t *begin, const int64_t *en
                       const double *us) {
     pthread_mutex_lock(&lock);
     table *t = &tables[family];
-    if (t->nthreads != n) reset_table(t, n);
+    double ratio[ULB_MAX_THREADS], scale = 0.0;
+    shares(t, n, ratio);
+    for (int i = 0; i < n; i++) scale += t->weight[i];
+    t->nthreads = n;
     t->calls++;
     double speed[ULB_MAX_THREADS], total = 0.0, longest = 0.0;
     int measurable = 1;
@@ -117,11 +133,13 @@ void ulb_sched_record(int family, int n, const int64_t *begin, const int64_t *en
         const double gain = EMA_GAIN * (longest < FULL_GAIN_US ? longest / FULL_GAIN_US : 1.0);
         double sum = 0.0;
         for (int i = 0; i < n; i++) {
-            double r = (1.0 - gain) * t->ratio[i] + gain * speed[i] / total;
+            double r = (1.0 - gain) * ratio[i] + gain * speed[i] / total;
             if (r < MIN_SHARE / n) r = MIN_SHARE / n;
-            sum += t->ratio[i] = r;
+            sum += ratio[i] = r;
         }
-        for (int i = 0; i < n; i++) t->ratio[i] /= sum;
+        /* Back to weights on the old scale, so that threads past n, not in
+         * this call, keep their standing against these. */
+        for (int i = 0; i < n; i++) t->weight[i] = scale * ratio[i] / sum;
     }
     pthread_mutex_unlock(&lock);
 }
@@ -138,8 +156,10 @@ ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
     memset(out, 0, sizeof *out);
     out->nthreads = t->nthreads;
     out->calls = t->calls;
+    double sum = 0.0;
+    for (int i = 0; i < t->nthreads; i++) sum += t->weight[i];
     for (int i = 0; i < t->nthreads; i++) {
-        out->ratio[i] = t->ratio[i];
+        out->ratio[i] = t->weight[i] / sum;
         out->last_us[i] = t->last_us[i];
         out->last_panels[i] = t->last_work[i];
     }
