@@ -55,6 +55,14 @@ def test_c_scheduler_table(tmp_path):
     _build_and_run("gcc", CFLAGS, sources, str(tmp_path / "test_sched"), isas_line=False)
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_c_fork_while_the_pool_runs(tmp_path):
+    """fork() while another thread runs jobs on the pool (tests/c/test_fork.c):
+    the child gets free locks, its own workers and right results."""
+    sources = [os.path.join(ROOT, "tests", "c", "test_fork.c"), *_kernel_sources(x86=True)]
+    _build_and_run("gcc", CFLAGS, sources, str(tmp_path / "test_fork"), isas_line=False)
+
+
 AARCH64_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 
 

@@ -146,8 +146,10 @@ void ulb_sched_record(int family, int n, const int64_t *begin, const int64_t *en
 
 double ulb_sched_slowdown(int tid) { return slowdown[tid]; }
 
-/* The table's lock may have been held by a thread that fork() did not copy. */
-void ulb_sched_after_fork(void) { pthread_mutex_init(&lock, NULL); }
+/* Held across fork() by the forking thread (threadpool.c), so that no thread
+ * fork() does not copy holds it. */
+void ulb_sched_before_fork(void) { pthread_mutex_lock(&lock); }
+void ulb_sched_after_fork(void) { pthread_mutex_unlock(&lock); }
 
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out) {
     if ((bits != 0 && family_base(bits) < 0) || (unsigned)isa >= ULB_ISA_COUNT) return ULB_ERR_FORMAT;

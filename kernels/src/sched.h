@@ -17,6 +17,7 @@ void ulb_sched_split(int family, int nthreads, int64_t nwork, int64_t *begin, in
 void ulb_sched_record(int family, int nthreads, const int64_t *begin, const int64_t *end,
                       const double *us);
 double ulb_sched_slowdown(int tid);
-void ulb_sched_after_fork(void);
+void ulb_sched_before_fork(void);
+void ulb_sched_after_fork(void); /* in the parent and in the child */
 
 #endif

@@ -117,20 +117,34 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* fork() copies only the calling thread: a lock another thread held at that
+ * moment would stay locked in the child for good. So the forking thread
+ * takes the pool's lock (waiting out a running job) and the scheduler's
+ * around fork, in the order ulb_parallel takes them. */
+static void before_fork(void) {
+    pthread_mutex_lock(&pool.lock);
+    ulb_sched_before_fork();
+}
+
+static void after_fork_parent(void) {
+    ulb_sched_after_fork();
+    pthread_mutex_unlock(&pool.lock);
+}
+
 static void after_fork_child(void) {
     /* Worker threads do not survive fork(); start afresh in the child. */
-    pthread_mutex_init(&pool.lock, NULL);
     ulb_sched_after_fork();
     pool.nworkers = 0;
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.pending, 0);
+    pthread_mutex_unlock(&pool.lock);
 }
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static void pool_init(void) {
     const char *env = getenv("ULB_SPIN_US");
     pool.spin_us = env ? atof(env) : 200.0;
-    pthread_atfork(NULL, NULL, after_fork_child);
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
 /* Returns how many threads can take part (>= 1). */
