@@ -170,7 +170,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
     targets = config.targets(model)
     if not targets:
-        plain = sum(type(m) in (nn.Linear, LinearBF16) for m in model.modules())
+        plain = len(linear_layers(model, lambda n: True))
         warnings.warn(f"quantize_: no layer converted: the model has {plain} plain nn.Linear layers and "
                       f"include={config.include} / exclude={config.exclude} select none of them (layers of other "
                       "types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)", stacklevel=2)

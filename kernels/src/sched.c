@@ -62,8 +62,9 @@ int ulb_sched_family(int bits, ulb_isa isa) {
 }
 
 /* Thread i's share of a call on n threads (ratio[0..n) sums to 1); a thread
- * never measured counts as the mean of those that were, or all equal. */
-static void shares(table *t, int n, double *ratio) {
+ * never measured counts as the mean of those that were, or all equal.
+ * Returns the sum of the n weights. */
+static double shares(table *t, int n, double *ratio) {
     double known = 0.0, sum = 0.0;
     int nknown = 0;
     for (int i = 0; i < n; i++)
@@ -73,6 +74,7 @@ static void shares(table *t, int n, double *ratio) {
         sum += t->weight[i];
     }
     for (int i = 0; i < n; i++) ratio[i] = t->weight[i] / sum;
+    return sum;
 }
 
 void ulb_sched_split(int family, int n, int64_t nwork, int64_t *begin, int64_t *end) {
@@ -115,9 +117,8 @@ void ulb_sched_record(int family, int n, const int64_t *begin, const int64_t *en
                       const double *us) {
     pthread_mutex_lock(&lock);
     table *t = &tables[family];
-    double ratio[ULB_MAX_THREADS], scale = 0.0;
-    shares(t, n, ratio);
-    for (int i = 0; i < n; i++) scale += t->weight[i];
+    double ratio[ULB_MAX_THREADS];
+    const double scale = shares(t, n, ratio);
     t->nthreads = n;
     t->calls++;
     double speed[ULB_MAX_THREADS], total = 0.0, longest = 0.0;
