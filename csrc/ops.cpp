@@ -94,12 +94,12 @@ void check_ok(ulb_status st, const char *op) {
 
 void check_cpu(const Meta &m, const char *op, const char *name) {
   ULB_CHECK(m.device == kCPU, "ulb.", op, ": ", name,
-                  " must be a CPU tensor (use the pure-PyTorch path for other devices)");
+            " must be a CPU tensor (use the pure-PyTorch path for other devices)");
 }
 
 ulb_dtype act_dtype(const Meta &m, const char *op, const char *name) {
   ULB_CHECK(m.dtype == kF32 || m.dtype == kBF16, "ulb.", op, ": ", name,
-                  " must be float32 or bfloat16, got ", dtype_name(m.dtype));
+            " must be float32 or bfloat16, got ", dtype_name(m.dtype));
   return m.dtype == kF32 ? ULB_DT_F32 : ULB_DT_BF16;
 }
 
@@ -114,8 +114,8 @@ Packed check_packed(const Tensor &packed, const char *op) {
   const Meta m(packed);
   check_cpu(m, op, "packed weight");
   ULB_CHECK(m.dtype == kU8 && m.dim == 1 && m.contiguous(), "ulb.", op,
-                  ": packed weight must be a 1-D contiguous uint8 tensor made by ulb.pack, got dtype ",
-                  dtype_name(m.dtype), " with ", m.dim, " dims");
+            ": packed weight must be a 1-D contiguous uint8 tensor made by ulb.pack, got dtype ",
+            dtype_name(m.dtype), " with ", m.dim, " dims");
   Packed p{static_cast<const uint8_t *>(packed.const_data_ptr()), m.sizes[0], {}};
   check_ok(ulb_blob_header(p.blob, p.nbytes, &p.h), op);
   return p;
@@ -140,9 +140,9 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
 // A tile order `op` may pass on for format fi (checked before it narrows to int).
 void check_tiles(const char *op, const ulb_format_info *fi, int64_t tiles) {
   ULB_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI ||
-                      (tiles == ULB_TILES_LANES && fi->bits == 1),
-                  "ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name,
-                  " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
+                (tiles == ULB_TILES_LANES && fi->bits == 1),
+            "ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name,
+            " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
 }
 
 Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int64_t tiles) {
@@ -152,17 +152,17 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
   const ulb_format_info *fi = format >= 0 && format <= INT_MAX ? ulb_format_get(static_cast<int>(format)) : nullptr;
   ULB_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
   ULB_CHECK(mc.dtype == kU8 && mc.dim == 2,
-                  "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
-                  dtype_name(mc.dtype), " with ", mc.dim, " dims");
+            "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
+            dtype_name(mc.dtype), " with ", mc.dim, " dims");
   ULB_CHECK(ms.dtype == kF32 && ms.dim == 2,
-                  "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
+            "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
   check_tiles("pack", fi, tiles);
   const int64_t M = mc.sizes[0], K = mc.sizes[1];
   const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
   if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
   const int64_t G = (group_size <= 0 || group_size >= K) ? 1 : (K + group_size - 1) / group_size;
   ULB_CHECK(ms.sizes[0] == M && ms.sizes[1] == G, "ulb.pack: scales must have shape [", M, ", ", G,
-                  "] for group_size ", group_size, ", got [", ms.sizes[0], ", ", ms.sizes[1], "]");
+            "] for group_size ", group_size, ", got [", ms.sizes[0], ", ", ms.sizes[1], "]");
   codes = torch::stable::contiguous(codes);
   scales = torch::stable::contiguous(scales);
   Tensor out = new_tensor({nbytes}, kU8);
@@ -253,7 +253,7 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
   const int64_t K = mx.last();
   ULB_CHECK(K == p.h.K, "ulb.linear: input has ", K, " features but the packed weight expects ", p.h.K);
   ULB_CHECK(out_features == p.h.M, "ulb.linear: out_features=", out_features,
-                  " but the packed weight has ", p.h.M, " rows");
+            " but the packed weight has ", p.h.M, " rows");
   const Bias b = checked_bias(bias, p.h.M, "linear");
   Tensor y = new_output(mx, p.h.M);
   const Rows rows = as_rows(x, mx, K);
@@ -286,9 +286,9 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
   const Meta mq(xq), ms(xsum);
   check_cpu(mq, "int_dots", "xq");
   ULB_CHECK(mq.dtype == kI8 && mq.dim == 2 && mq.sizes[1] == p.h.K_pad, "ulb.int_dots: xq must be int8 [N, ",
-                  p.h.K_pad, "]");
+            p.h.K_pad, "]");
   ULB_CHECK(ms.dtype == kI32 && ms.dim == 2 && ms.sizes[0] == mq.sizes[0] && ms.sizes[1] == p.h.n_groups,
-                  "ulb.int_dots: xsum must be int32 [N, ", p.h.n_groups, "]");
+            "ulb.int_dots: xsum must be int32 [N, ", p.h.n_groups, "]");
   const int64_t N = mq.sizes[0];
   xq = torch::stable::contiguous(xq);
   xsum = torch::stable::contiguous(xsum);
@@ -309,16 +309,16 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   const Meta mw(weight);
   check_cpu(mw, "linear_bf16", "weight");
   ULB_CHECK(mw.dtype == kBF16 && mw.dim == 2 && mw.strides[1] == 1,
-                  "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with contiguous rows, got ",
-                  dtype_name(mw.dtype), " with ", mw.dim, " dims");
+            "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with contiguous rows, got ",
+            dtype_name(mw.dtype), " with ", mw.dim, " dims");
   const int64_t M = mw.sizes[0], K = mw.sizes[1];
   ULB_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
   const Meta mx(x);
   check_cpu(mx, "linear_bf16", "input");
   ULB_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
-                  dtype_name(mx.dtype));
+            dtype_name(mx.dtype));
   ULB_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.last(),
-                  " features but the weight expects ", K);
+            " features but the weight expects ", K);
   const Bias b = checked_bias(bias, M, "linear_bf16");
   Tensor y = new_output(mx, M);
   const Rows rows = as_rows(x, mx, K);
