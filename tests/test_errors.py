@@ -349,8 +349,45 @@ def test_quant_config_bits_and_format_must_agree():
     with pytest.raises(ValueError, match="bits=1 and format='ternary' disagree"):
         ulbtorch.QuantConfig(bits=1, format="ternary")
     assert ulbtorch.QuantConfig(bits=4, format="int4").format == "int4"
-    assert ulbtorch.QuantConfig(format="int2").format == "int2"  # bits left at its default
+    assert ulbtorch.QuantConfig(format="int2").format == "int2"
     assert ulbtorch.QuantConfig(bits="ternary", format="ternary").format == "ternary"
+
+
+@pytest.mark.parametrize("fmt", ["binary", "ternary", "int4", "int8"])
+def test_quant_config_explicit_bits_2_must_agree_with_format(fmt):
+    """bits=2 said "2-bit" only when format was unset: bits=2 with
+    format='binary' quantized to 1 bit silently."""
+    with pytest.raises(ValueError, match=f"bits=2 and format='{fmt}' disagree"):
+        ulbtorch.QuantConfig(bits=2, format=fmt)
+
+
+@pytest.mark.parametrize("kwargs,bits,fmt", [(dict(), 2, "int2_sym"), (dict(bits=2, format="int2"), 2, "int2"),
+                                             (dict(format="int2"), 2, "int2"), (dict(format="binary"), 1, "binary"),
+                                             (dict(format="ternary"), "ternary", "ternary")])
+def test_quant_config_bits_follow_format(kwargs, bits, fmt):
+    """bits is filled from format, so a saved UlbConfig names both consistently."""
+    q = ulbtorch.QuantConfig(**kwargs)
+    assert (q.bits, q.format) == (bits, fmt)
+    assert ulbtorch.QuantConfig(bits=q.bits, format=q.format) == q
+
+
+def test_ulb_config_from_dict_and_update_check_their_options():
+    """transformers' mixin set from_dict's kwargs and update's as attributes,
+    past __init__'s checks (from_dict(d, bf16_gemv="no") kept "no")."""
+    pytest.importorskip("transformers")
+    d = ulbtorch.UlbConfig(format="binary").to_dict()
+    with pytest.raises(TypeError, match="UlbConfig's bf16_gemv takes True or False, got 'no'"):
+        ulbtorch.UlbConfig.from_dict(d, bf16_gemv="no")
+    config, unused = ulbtorch.UlbConfig.from_dict(d, group_size=64, other=1, return_unused_kwargs=True)
+    assert (config.format, config.group_size, config.granularity, unused) == ("binary", 64, "group", {"other": 1})
+    with pytest.raises(ValueError, match="group_size must be 0 or a multiple of 32 for 'binary', got 48"):
+        config.update(group_size=48)
+    assert config.group_size == 64  # a refused update leaves the config as it was
+    assert config.update(group_size=0, other=2) == {"other": 2}
+    assert (config.group_size, config.granularity) == (0, "channel")
+    tensor = ulbtorch.UlbConfig(granularity="tensor")
+    with pytest.raises(ValueError, match="group_size=32 needs granularity='group'"):
+        tensor.update(group_size=32)
 
 
 def test_ulb_config_checks_options_as_quantize_does():

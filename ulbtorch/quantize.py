@@ -16,6 +16,7 @@ from .runtime import _check_bool
 _BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                    "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 4: "int4", "4": "int4", 8: "int8",
                    "8": "int8"}
+_FORMAT_TO_BITS = {"binary": 1, "ternary": "ternary", "int2_sym": 2, "int2": 2, "int4": 4, "int8": 8}
 LM_HEAD = ["lm_head", "*.lm_head"]
 
 
@@ -23,6 +24,12 @@ def _format_for_bits(bits) -> str:
     if isinstance(bits, bool) or bits not in _BITS_TO_FORMAT:
         raise ValueError(f"bits must be 1, 'ternary'/1.58, 2, 4 or 8, got {bits!r}")
     return _BITS_TO_FORMAT[bits]
+
+
+def _bits_agree(bits, fmt: str) -> bool:
+    """Whether bits names fmt's level set: 2 names both 2-bit maps."""
+    implied = _format_for_bits(bits)
+    return implied == fmt or {implied, fmt} <= {"int2_sym", "int2"}
 
 
 def linear_layers(model: nn.Module, selects) -> list[tuple[str, nn.Linear]]:
@@ -35,8 +42,9 @@ def linear_layers(model: nn.Module, selects) -> list[tuple[str, nn.Linear]]:
 class QuantConfig:
     """What quantize_ does.
 
-    bits: 1, "ternary" (or 1.58), 2, 4 or 8. format: an explicit format name
-    ("int2_sym", "int2", "ternary", "binary", "int4", "int8") overriding bits.
+    bits: 1, "ternary" (or 1.58), 2, 4 or 8 (default 2 unless format is
+    given). format: a format name ("int2_sym", "int2", "ternary", "binary",
+    "int4", "int8"); with bits too, the two must agree (2: either int2 map).
     group_size: 0 for one scale per output channel, else a multiple of 16
     (2-bit, ternary), 32 (binary), 8 (int4) or 4 (int8); layers no wider than
     a group get one scale per channel.
@@ -54,7 +62,7 @@ class QuantConfig:
     ulbtorch's bf16 GEMV: same weights, fp32 accumulation in another order
     than F.linear. False leaves them stock nn.Linear.
     """
-    bits: int | float | str = 2
+    bits: int | float | str | None = None
     format: str | None = None
     group_size: int = 0
     granularity: str | None = None
@@ -77,8 +85,12 @@ class QuantConfig:
             if value < 0:
                 raise ValueError(f"{name} must be 0 (one scale per output channel) or positive, got {value}")
         if self.format is None:
+            self.bits = 2 if self.bits is None else self.bits
             self.format = _format_for_bits(self.bits)
-        elif self.bits != 2 and _format_for_bits(self.bits) != self.format:  # 2: the default, read as unset
+        elif self.bits is None:
+            if self.format in FORMATS:
+                self.bits = _FORMAT_TO_BITS[self.format]
+        elif not _bits_agree(self.bits, self.format):
             raise ValueError(f"bits={self.bits!r} and format={self.format!r} disagree; give one of them")
         if self.lm_head_group_size and self.lm_head_bits is None:
             raise ValueError(f"lm_head_group_size={self.lm_head_group_size} needs lm_head_bits")

@@ -31,7 +31,7 @@ class UlbConfig(QuantizationConfigMixin):
     (default None): quantize lm_head too, e.g. 8 for int8, with
     lm_head_group_size (see QuantConfig)."""
 
-    def __init__(self, bits=2, format=None, group_size=0, granularity=None, method=None,
+    def __init__(self, bits=None, format=None, group_size=0, granularity=None, method=None,
                  modules_to_not_convert=None, bf16_gemv=True, lm_head_bits=None, lm_head_group_size=0,
                  **kwargs):
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
@@ -53,6 +53,23 @@ class UlbConfig(QuantizationConfigMixin):
         _check_bool(bf16_gemv, "UlbConfig's bf16_gemv")
         self.bf16_gemv = bf16_gemv
         self.lm_head_bits, self.lm_head_group_size = lm_head_bits, q.lm_head_group_size
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        # The mixin's from_dict and update set matching kwargs as attributes,
+        # past __init__'s checks; these build a checked config instead.
+        config = cls(**config_dict)
+        unused = config.update(**kwargs)
+        return (config, unused) if return_unused_kwargs else config
+
+    def update(self, **kwargs) -> dict:
+        options = self.to_dict()
+        known = {k: v for k, v in kwargs.items() if k in options}
+        if "group_size" in known and "granularity" not in known and options["granularity"] != "tensor":
+            options["granularity"] = None  # was derived from the old group_size
+        if known:
+            self.__dict__.update(type(self)(**{**options, **known}).__dict__)
+        return {k: v for k, v in kwargs.items() if k not in known}
 
     def to_dict(self) -> dict:
         d = super().to_dict()

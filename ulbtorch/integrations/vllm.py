@@ -59,7 +59,7 @@ class UlbVllmConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
         skip = config.get("modules_to_not_convert")
         skip = list(LM_HEAD) if skip is None else list(skip)
-        quant = QuantConfig(bits=config.get("bits", 2), format=config.get("format"),
+        quant = QuantConfig(bits=config.get("bits"), format=config.get("format"),
                             group_size=config.get("group_size", 0), granularity=config.get("granularity"),
                             method=config.get("method"), exclude=skip, bf16_gemv=config.get("bf16_gemv", True),
                             lm_head_bits=config.get("lm_head_bits"),
