@@ -2,7 +2,7 @@
 bf16 weights (built from a config in shapes.json) against deep copies of it
 quantized with ulbtorch.quantize_, in one process, at one thread count.
 
-  python benchmarks/decode.py --quick                          # smoke test (2 layers, few tokens)
+  python benchmarks/decode.py --quick                          # smoke test (1 layer, 8 tokens, 1 rep)
   python benchmarks/decode.py                                  # falcon3-1b, bf16 vs 2-bit
   python benchmarks/decode.py --config bitnet-b1.58-2b --formats 2,ternary,1
   python benchmarks/decode.py --profile                        # + share of time in linear layers, Amdahl bound
