@@ -7,12 +7,22 @@
  * ~10-14% slower than the 16-byte one unless an 8-byte load of each line
  * goes with it, and the AVX-512 GEMV, whose loads are 64 bytes, lands next
  * to the 64-byte loop.
+ * Three more candidates run the AVX-512 2-bit one-token loop's instructions
+ * (a 64-byte load, an 8-byte touch of the next line and a prefetch 8 KiB
+ * ahead per tile, four masked vpdpbusd with broadcast operands, four tiles a
+ * k-step; results discarded) on one thread: over the whole blob as one run,
+ * and panel by panel as the kernel walks the blob (2-bit blobs only),
+ * storing each panel's 64 fp32 results into an M-float buffer as the kernel
+ * does or into a 1 KiB ring. On the Xeon of benchmarks/results (run X5) the
+ * whole-blob loop and the ring read 93-100% of the probe, the loop storing
+ * per panel into the M-float buffer 86-92%, next to the GEMV's 89-92%.
  * Usage: read_widths [M K format threads rounds]; every candidate runs on
  * `threads` threads, the plain loops over the probe's 64 KiB units and
  * work split. */
 #include <immintrin.h>
 #include <stdio.h>
 
+#include "../../kernels/src/internal.h"
 #include "../../kernels/src/sched.h"
 #include "cold_blobs.h"
 
@@ -57,7 +67,52 @@ __attribute__((target("avx512f"))) static void read64_touch(const uint8_t *p, in
     sink = (uint64_t)_mm512_reduce_add_epi64(a);
 }
 
-enum { PROBE, R16, R32, R64, R64T, GEMV, NCAND };
+/* The kernel's loop over k-steps [0, ksteps) of 4 tiles from `codes`,
+ * prefetching up to `end`, its 16 sums reduced into out[0..63] (or dropped). */
+#define KERNEL_LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+static int8_t loop_x[65536] __attribute__((aligned(64)));
+KERNEL_LOOP_TARGET static void kernel_loop(const uint8_t *codes, int64_t ksteps, const uint8_t *end, float *out) {
+    __m512i acc[4][4];
+    for (int t = 0; t < 4; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = _mm512_setzero_si512();
+    for (int64_t ks = 0; ks < ksteps; ks++) {
+        const int8_t *xk = loop_x + (ks * 16) % (int64_t)sizeof loop_x;
+        for (int t = 0; t < 4; t++) {
+            const uint8_t *tile = codes + (ks * 4 + t) * 64;
+            if (tile + 8192 < end) __builtin_prefetch(tile + 8192, 0, 2);
+            const __m512i v = _mm512_loadu_si512(tile);
+            int64_t unused;
+            __asm__ volatile("movq %1, %0" : "=r"(unused) : "m"(*(const int64_t *)(tile + 64)));
+            for (int j = 0; j < 4; j++) {
+                const __m512i u = _mm512_and_si512(v, _mm512_set1_epi8((char)(3 << (2 * j))));
+                __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[t][j]) : "v"(u), "m"(*(const int32_t *)(xk + 4 * j)));
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        const __m512i s = _mm512_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]), _mm512_add_epi32(acc[t][2], acc[t][3]));
+        if (out) _mm512_storeu_ps(out + 16 * t, _mm512_cvtepi32_ps(s));
+        else sink += (uint64_t)_mm512_reduce_add_epi32(s);
+    }
+}
+
+static float panel_out[1 << 20] __attribute__((aligned(64)));
+
+/* ring: store panel p's results at (p % 4) * 64 instead of p * 64. */
+static void kernel_loop_panels(const uint8_t *blob, int64_t nbytes, int ring) {
+    ulb_weight w;
+    if (ulb_weight_view(blob, nbytes, &w) != ULB_OK || w.bits != 2 || w.M_pad % ULB_PANEL_ROWS) abort();
+    const int64_t np = ulb_weight_npanels(&w);
+    const uint8_t *end = ulb_weight_panels_end(&w, np);
+    for (int64_t p = 0; p < np; p++) {
+        const uint8_t *group = ulb_group_base(&w, p, ULB_PANEL_TILES, 0);
+        for (int t = 0; t < ULB_PANEL_TILES; t++) ulb_prefetch_ahead(group + t * 64, 8192, end);
+        kernel_loop(group + ULB_PANEL_TILES * ULB_TILE_SCALE_BYTES, w.ksteps, end,
+                    panel_out + (ring ? p % 4 : p) * ULB_PANEL_ROWS);
+    }
+}
+
+enum { PROBE, R16, R32, R64, R64T, KLOOP, KPANELS, KRING, GEMV, NCAND };
 
 #define READ_UNIT (64 * 1024) /* as kernels/src/probe.c */
 
@@ -93,6 +148,14 @@ static int widths_run(void *ctx, int c) {
     const widths_job *j = ctx;
     if (c == PROBE || c == GEMV)
         return bench_pass(c == GEMV ? BENCH_GEMV : BENCH_PROBE, j->blobs, j->n, j->nbytes, &j->a, j->x, j->y);
+    if (c == KLOOP) {
+        for (int i = 0; i < j->n; i++) kernel_loop(j->blobs[i], (j->nbytes - 64) / 256, j->blobs[i] + j->nbytes, NULL);
+        return 0;
+    }
+    if (c == KPANELS || c == KRING) {
+        for (int i = 0; i < j->n; i++) kernel_loop_panels(j->blobs[i], j->nbytes, c == KRING);
+        return 0;
+    }
     for (int i = 0; i < j->n; i++) read_parallel(c, j->blobs[i], j->nbytes, j->a.threads);
     return 0;
 }
@@ -108,10 +171,15 @@ int main(int argc, char **argv) {
     const ulb_format_info *fi = ulb_format_get(fmt);
     const int have512 = __builtin_cpu_supports("avx512f"), have256 = __builtin_cpu_supports("avx2");
     int runs[NCAND];
-    for (int c = 0; c < NCAND; c++) runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : 1;
+    const int have_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+    const int loops = have_vnni && threads == 1 && fmt == ULB_FMT_INT2_SYM && M % ULB_PANEL_ROWS == 0 &&
+                      M <= (int64_t)(sizeof panel_out / sizeof *panel_out);
+    for (int c = 0; c < NCAND; c++)
+        runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : (c >= KLOOP && c <= KRING) ? loops : 1;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
-    const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "GEMV"};
+    const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "kernel's loop", "... per panel", "... 1 KiB ring",
+                                "GEMV"};
     widths_job job = {blobs, n, nbytes, x, y, a};
     static bench_times t[NCAND];
     if (bench_interleave(NCAND, rounds, runs, widths_run, &job, t)) return 2;
