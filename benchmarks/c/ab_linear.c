@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "AB_N must be at least 1 (1 with bf16 weights)\n");
         return 2;
     }
-    uint8_t *x = malloc(N * K * 4), *ya = malloc(N * M * 4), *yb = malloc(N * M * 4);
+    uint8_t *x = malloc(N * K * 4), *ya = aligned_alloc(64, (N * M * 4 + 63) / 64 * 64), *yb = aligned_alloc(64, (N * M * 4 + 63) / 64 * 64); /* 64-byte aligned, as PyTorch allocates */
     for (int64_t k = 0; k < N * K; k++) {
         const float v = (float)rand() / RAND_MAX - 0.5f;
         memcpy(x + k * esize, (const uint8_t *)&v + 4 - esize, esize); /* bf16: the high half */

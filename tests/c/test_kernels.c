@@ -193,6 +193,7 @@ static void x_strides(int layout, int64_t N, int64_t K, int64_t *ldx, int64_t *i
  * from a contiguous copy of x; then the scalar y against a double-precision
  * reference from the unpacked codes and activations quantised here. Elements
  * of x's buffer outside the N x K view are NaN, so reading one shows. */
+#define YGUARD 64 /* bytes past y that must stay untouched */
 static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, int64_t N, ulb_dtype x_dt, int layout,
                         int has_bias, ulb_dtype bias_dt, ulb_dtype y_dt) {
     const ulb_format_info *fi = ulb_format_get(fmt);
@@ -241,9 +242,16 @@ static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, in
              !has_bias ? "none" : bias_dt ? "bf16" : "f32", y_dt ? "bf16" : "f32", (long)ldy);
 
     const size_t ybytes = (size_t)(N * ldy) * ye;
-    char *y[ULB_ISA_COUNT + 1];
+    /* y on a 64-byte boundary for half the shapes, 32 bytes past one for the
+     * others: one token streams whole aligned lines of y (ulb_out.stream). */
+    const size_t yoff = (size_t)(M % 2) * 32;
+    char *y[ULB_ISA_COUNT + 1], *ybase[ULB_ISA_COUNT + 1];
     int fails = 0;
-    for (int isa = 0; isa <= ULB_ISA_COUNT; isa++) { y[isa] = malloc(ybytes); memset(y[isa], 0xa5, ybytes); }
+    for (int isa = 0; isa <= ULB_ISA_COUNT; isa++) {
+        ybase[isa] = aligned_alloc(64, (ybytes + YGUARD + yoff + 63) / 64 * 64);
+        y[isa] = ybase[isa] + yoff;
+        memset(y[isa], 0xa5, ybytes + YGUARD);
+    }
     /* y[ULB_ISA_COUNT]: the scalar ISA on the contiguous copy */
     for (int run = 0; run <= ULB_ISA_COUNT && !fails; run++) {
         const int isa = run < ULB_ISA_COUNT ? run : 0;
@@ -253,6 +261,8 @@ static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, in
         ulb_status st = ulb_linear(blob, nb, N, contig ? xc : xs, x_dt, contig ? K : ldx, contig ? 1 : incx, bias,
                                    bias_dt, y[run], y_dt, ldy, 2);
         if (st) { printf("linear failed %s: %s\n", ulb_status_str(st), desc); fails++; break; }
+        for (int b = 0; b < YGUARD; b++)
+            if ((unsigned char)y[run][ybytes + b] != 0xa5) { printf("WRITTEN PAST y %s: %s\n", desc, ulb_isa_name(isa)); fails++; break; }
         if (run && memcmp(y[0], y[run], ybytes)) {
             printf("MISMATCH %s: %s\n", desc, contig ? "scalar, this x vs a contiguous copy" : ulb_isa_name(isa));
             for (int64_t i = 0; i < N * ldy; i++)
@@ -297,7 +307,7 @@ static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, in
             }
         }
     }
-    for (int isa = 0; isa <= ULB_ISA_COUNT; isa++) free(y[isa]);
+    for (int isa = 0; isa <= ULB_ISA_COUNT; isa++) free(ybase[isa]);
     free(q); free(bias); free(bv); free(xv); free(xs); free(xc); free(codes); free(blob); free(sc);
     return fails;
 }
