@@ -558,6 +558,13 @@ int main(void) {
                     fails += check_linear_variants(FORMS[f].fmt, FORMS[f].tiles, lin_MK[a][0], lin_MK[a][1], gss[d],
                                                    lin_Ns[c], &turn, &n);
                 }
+    /* One token over more panels per thread than the output ring holds (16
+     * pairs of panels under AVX2), y aligned (M even) and not. */
+    for (int f = 0; f < N_FORMS; f++)
+        for (int64_t M = 2600; M <= 2601; M++)
+            for (int y_dt = 0; y_dt < 2; y_dt++, n++)
+                fails += check_linear(FORMS[f].fmt, FORMS[f].tiles, M, 1030, 0, 1, ULB_DT_BF16, X_CONTIG, 1,
+                                      ULB_DT_F32, (ulb_dtype)y_dt);
     fails += check_tile_orders(&n);
 #if defined(__x86_64__)
     if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n) + check_lanes_tables(&n);
