@@ -165,6 +165,7 @@ typedef struct {
     void *y; /* N x ldy elements of y_dt */
     ulb_dtype y_dt;
     int64_t ldy;
+    int stream; /* whole 64-byte lines of y may bypass the caches (non-temporal stores; see linear.c) */
 } ulb_out;
 
 /* The output step, identical for every ISA: for j < nb, r < rows,

@@ -20,8 +20,8 @@ typedef struct {
     int8_t *xq;
     float *xscale;
     int32_t *xsum;
-    float *facc1; /* one token: every row's fp32 result before the output step */
     ulb_lut1_build_fn lut1_build; /* fills acts.lut1, or NULL: no tables */
+    float *facc1; /* one token without the output ring: M_pad results (one_token_panels) */
     ulb_acts acts;
 } quantized_acts;
 
@@ -61,6 +61,12 @@ static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
            (w->bits != 1 || nthreads == 1 || panel >= 2 * PAIR_MIN_PANEL_BYTES);
 }
 
+/* Whether a one-token call on w sends its results through the output ring
+ * (one_token_panels) rather than an M-float buffer: not for 1-bit codes,
+ * whose lookup kernel with groups of 128 ran 0.93-0.97x with it (one
+ * thread, both orders of benchmarks/c/ab_builds.sh; per channel 0.99x). */
+static int ring_output(const ulb_weight *w) { return w->bits != 1; }
+
 /* Bytes of int8 activations to allocate for N tokens: a GEMM kernel reads
  * whole tiles of tokens, and a little past the last (ulb_gemm_kernel). */
 static int64_t xq_bytes_for(const ulb_weight *w, int64_t N, const ulb_gemm_kernel *gemm) {
@@ -77,7 +83,7 @@ static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, 
     const size_t xs_bytes = (size_t)ulb_round_up(N * (int64_t)sizeof(float), 64);
     const size_t sum_bytes = (size_t)ulb_round_up(N * w->n_groups * (int64_t)sizeof(int32_t), 64);
     const size_t lut_bytes = lut ? (size_t)(N * w->ksteps * ULB_LUT1_STEP_BYTES) : 0;
-    const size_t facc1_bytes = N == 1 ? (size_t)w->M_pad * sizeof(float) : 0;
+    const size_t facc1_bytes = N == 1 && !ring_output(w) ? (size_t)w->M_pad * sizeof(float) : 0;
     memset(q, 0, sizeof *q);
     q->scratch = ulb_aligned_alloc(xq_bytes + xs_bytes + sum_bytes + lut_bytes + facc1_bytes);
     if (!q->scratch) return ULB_ERR_NOMEM;
@@ -86,7 +92,7 @@ static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, 
     q->xscale = (float *)((char *)q->scratch + xq_bytes);
     q->xsum = (int32_t *)((char *)q->scratch + xq_bytes + xs_bytes);
     q->lut1_build = lut1_build;
-    if (N == 1) q->facc1 = (float *)((char *)q->scratch + xq_bytes + xs_bytes + sum_bytes + lut_bytes);
+    if (facc1_bytes) q->facc1 = (float *)((char *)q->scratch + xq_bytes + xs_bytes + sum_bytes + lut_bytes);
     const uint8_t *lut1 = lut ? (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes : NULL;
     q->acts = ulb_acts_of(w, q->xq, q->xsum, lut1, nthreads);
     return ULB_OK;
@@ -126,7 +132,6 @@ typedef struct {
     const ulb_gemm_kernel *gemm; /* many tokens: the ISA's GEMM kernel, or NULL */
     ulb_store_fn store;
     ulb_out out;
-    float *facc1; /* one token: M_pad floats, see linear_panels */
 } linear_job;
 
 /* Bytes at the start of its panels that each thread prefetches before it
@@ -210,10 +215,57 @@ static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64
     ulb_aligned_free(facc);
 }
 
-/* With one token the output step runs once per thread over all its rows
- * instead of once per panel: a 1-thread cold 2-bit GEMV then streams 2-3%
- * faster at K = 2048 and ~2% at 4096; 1-bit and 2 threads are unchanged
- * (benchmarks/c/ab_builds.sh, both builds in one process). */
+/* One token: each thread's results of RING_PANELS panels at a time wait in
+ * a ring on its stack for the output step, which streams them to y
+ * (ulb_out.stream), where ring_output says so. Results written to an
+ * M-float buffer as the panels finish, and y written with plain stores, are
+ * lines the weight stream has pushed out of L2: their reads for ownership
+ * and scattered write-backs amid the stream cost a one-thread cold 2-bit
+ * GEMV 2-5% at 4-14 MiB (Xeon VM, benchmarks/c/ab_builds.sh both orders;
+ * the ring alone or the streaming stores alone gained nothing;
+ * benchmarks/c/read_widths.c shows the same on the kernel's bare loop).
+ * The next layer then reads y from memory, not cache: falcon3-1b decode ran
+ * 0.99-1.00x with streaming against without (one process, alternating, 1
+ * and 2 threads). An output step per panel ran 2-3% slower than one per
+ * thread at K = 2048 when that was measured. */
+#define RING_PANELS 8
+
+/* The output step of panels [c0, c1), whose results start at ring. */
+static void flush_ring(const linear_job *job, const float *ring, int64_t c0, int64_t c1) {
+    int64_t m0;
+    const int64_t rows = panel_rows(job->w, c0, c1, &m0);
+    job->store(&job->out, ring, 0, 1, m0, rows);
+}
+
+static void one_token_panels(const linear_job *job, const ulb_acts *acts, int64_t p0, int64_t p1) {
+    const ulb_weight *w = job->w;
+    float *const facc1 = job->q->facc1;
+    float ring[2][RING_PANELS * ULB_PANEL_ROWS] __attribute__((aligned(64)));
+    /* Without the ring, every panel of the thread in one chunk of facc1. */
+    const int64_t chunk = facc1 ? p1 - p0 : RING_PANELS;
+    /* With a pair kernel, the first half of the thread's full panels with
+     * the second, a panel of each at a time. */
+    const int64_t full = w->M_pad / ULB_PANEL_ROWS;
+    const int64_t half = job->pair ? ((p1 < full ? p1 : full) - p0) / 2 : 0;
+    for (int64_t i0 = 0; i0 < half; i0 += chunk) {
+        const int64_t i1 = i0 + chunk < half ? i0 + chunk : half;
+        float *a = facc1 ? facc1 + (p0 + i0) * ULB_PANEL_ROWS : ring[0];
+        float *b = facc1 ? facc1 + (p0 + half + i0) * ULB_PANEL_ROWS : ring[1];
+        for (int64_t i = i0; i < i1; i++)
+            job->pair(w, p0 + i, p0 + half + i, acts, a + (i - i0) * ULB_PANEL_ROWS, b + (i - i0) * ULB_PANEL_ROWS);
+        flush_ring(job, a, p0 + i0, p0 + i1);
+        flush_ring(job, b, p0 + half + i0, p0 + half + i1);
+    }
+    for (int64_t c0 = p0 + 2 * half; c0 < p1; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < p1 ? c0 + chunk : p1;
+        float *r = facc1 ? facc1 + c0 * ULB_PANEL_ROWS : ring[0];
+        for (int64_t p = c0; p < c1; p++)
+            job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), acts, 0, 1,
+                       r + (p - c0) * ULB_PANEL_ROWS, NULL);
+        flush_ring(job, r, c0, c1);
+    }
+}
+
 static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     linear_job *job = ctx;
     const ulb_weight *w = job->w;
@@ -221,19 +273,8 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     ulb_acts acts = job->q->acts;
     acts.prefetch_end = ulb_weight_panels_end(w, p1);
     int64_t m0;
-    if (job->facc1) {
-        /* With a pair kernel, the first half of the thread's full panels
-         * with the second, a panel of each at a time. */
-        const int64_t full = w->M_pad / ULB_PANEL_ROWS;
-        const int64_t half = job->pair ? ((p1 < full ? p1 : full) - p0) / 2 : 0;
-        for (int64_t i = 0; i < half; i++)
-            job->pair(w, p0 + i, p0 + half + i, &acts, job->facc1 + (p0 + i) * ULB_PANEL_ROWS,
-                      job->facc1 + (p0 + half + i) * ULB_PANEL_ROWS);
-        for (int64_t p = p0 + 2 * half; p < p1; p++)
-            job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), &acts, 0, 1,
-                       job->facc1 + p * ULB_PANEL_ROWS, NULL);
-        const int64_t rows = panel_rows(w, p0, p1, &m0);
-        job->store(&job->out, job->facc1 + m0, 0, 1, m0, rows);
+    if (job->N == 1) {
+        one_token_panels(job, &acts, p0, p1);
         return;
     }
     if (job->gemm) {
@@ -276,7 +317,7 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void
     const ulb_panel_pair_fn pair = use_pairs(&w, N, nthreads) ? ulb_panel_pair_for(isa, &w, lut1_build != NULL) : NULL;
     linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
                       pair, gemm, ulb_store_for_isa(isa),
-                      {q.xscale, bias, bias_dt, y, y_dt, ldy}, q.facc1};
+                      {q.xscale, bias, bias_dt, y, y_dt, ldy, N == 1 && ring_output(&w)}};
     st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
     if (st == ULB_OK) st = job.acts_status;
     acts_free(&q);

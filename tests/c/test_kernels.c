@@ -243,7 +243,7 @@ static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, in
 
     const size_t ybytes = (size_t)(N * ldy) * ye;
     /* y on a 64-byte boundary for some shapes, 32 bytes past one for the
-     * others, as an output step that treats aligned lines apart would need. */
+     * others: one token streams whole aligned lines of y (ulb_out.stream). */
     const size_t yoff = (size_t)(M % 2) * 32;
     char *y[ULB_ISA_COUNT + 1], *ybase[ULB_ISA_COUNT + 1];
     int fails = 0;
@@ -558,8 +558,9 @@ int main(void) {
                     fails += check_linear_variants(FORMS[f].fmt, FORMS[f].tiles, lin_MK[a][0], lin_MK[a][1], gss[d],
                                                    lin_Ns[c], &turn, &n);
                 }
-    /* One token over many panels per thread (20 on each of two threads, so
-     * ten pairs under AVX2), y 64-byte aligned (M even) and not. */
+    /* One token over more panels per thread (20 on each of two threads, so
+     * ten pairs under AVX2) than the output ring of 2-8-bit codes holds, y
+     * 64-byte aligned (M even) and not. */
     for (int f = 0; f < N_FORMS; f++)
         for (int64_t M = 2600; M <= 2601; M++)
             for (int y_dt = 0; y_dt < 2; y_dt++, n++)
