@@ -26,12 +26,6 @@ def _format_for_bits(bits) -> str:
     return _BITS_TO_FORMAT[bits]
 
 
-def _bits_agree(bits, fmt: str) -> bool:
-    """Whether bits names fmt's level set: 2 names both 2-bit maps."""
-    implied = _format_for_bits(bits)
-    return implied == fmt or {implied, fmt} <= {"int2_sym", "int2"}
-
-
 def linear_layers(model: nn.Module, selects) -> list[tuple[str, nn.Linear]]:
     """The plain nn.Linear layers (and LinearBF16, a plain one on the bf16
     GEMV) whose names `selects`; other subclasses of nn.Linear are left alone."""
@@ -87,10 +81,12 @@ class QuantConfig:
         if self.format is None:
             self.bits = 2 if self.bits is None else self.bits
             self.format = _format_for_bits(self.bits)
-        elif self.bits is None:
-            if self.format in FORMATS:
-                self.bits = _FORMAT_TO_BITS[self.format]
-        elif not _bits_agree(self.bits, self.format):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; known: {sorted(FORMATS)}")
+        if self.bits is None:
+            self.bits = _FORMAT_TO_BITS[self.format]
+        elif _FORMAT_TO_BITS[_format_for_bits(self.bits)] != _FORMAT_TO_BITS[self.format]:
+            # bits names a level set: 2 agrees with both 2-bit maps
             raise ValueError(f"bits={self.bits!r} and format={self.format!r} disagree; give one of them")
         if self.lm_head_group_size and self.lm_head_bits is None:
             raise ValueError(f"lm_head_group_size={self.lm_head_group_size} needs lm_head_bits")
@@ -103,8 +99,6 @@ class QuantConfig:
             if self.selects("lm_head"):
                 raise ValueError(f"lm_head_bits={self.lm_head_bits!r} is for an lm_head that include/exclude "
                                  f"leave out, but they select it (include={self.include}, exclude={self.exclude})")
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; known: {sorted(FORMATS)}")
         block = FORMATS[self.format].k_block
         if self.group_size and self.group_size % block:
             raise ValueError(f"group_size must be 0 or a multiple of {block} for {self.format!r}, "

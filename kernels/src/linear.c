@@ -230,11 +230,11 @@ static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64
  * thread at K = 2048 when that was measured. */
 #define RING_PANELS 8
 
-/* The output step of panels [c0, c1), whose results start at ring. */
-static void flush_ring(const linear_job *job, const float *ring, int64_t c0, int64_t c1) {
+/* The output step of panels [c0, c1), whose results start at facc. */
+static void store_panels(const linear_job *job, const float *facc, int64_t c0, int64_t c1) {
     int64_t m0;
     const int64_t rows = panel_rows(job->w, c0, c1, &m0);
-    job->store(&job->out, ring, 0, 1, m0, rows);
+    job->store(&job->out, facc, 0, 1, m0, rows);
 }
 
 static void one_token_panels(const linear_job *job, const ulb_acts *acts, int64_t p0, int64_t p1) {
@@ -253,8 +253,8 @@ static void one_token_panels(const linear_job *job, const ulb_acts *acts, int64_
         float *b = facc1 ? facc1 + (p0 + half + i0) * ULB_PANEL_ROWS : ring[1];
         for (int64_t i = i0; i < i1; i++)
             job->pair(w, p0 + i, p0 + half + i, acts, a + (i - i0) * ULB_PANEL_ROWS, b + (i - i0) * ULB_PANEL_ROWS);
-        flush_ring(job, a, p0 + i0, p0 + i1);
-        flush_ring(job, b, p0 + half + i0, p0 + half + i1);
+        store_panels(job, a, p0 + i0, p0 + i1);
+        store_panels(job, b, p0 + half + i0, p0 + half + i1);
     }
     for (int64_t c0 = p0 + 2 * half; c0 < p1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < p1 ? c0 + chunk : p1;
@@ -262,7 +262,7 @@ static void one_token_panels(const linear_job *job, const ulb_acts *acts, int64_
         for (int64_t p = c0; p < c1; p++)
             job->panel(w, p * ULB_PANEL_TILES, ulb_panel_ntiles(w->M_pad, p), acts, 0, 1,
                        r + (p - c0) * ULB_PANEL_ROWS, NULL);
-        flush_ring(job, r, c0, c1);
+        store_panels(job, r, c0, c1);
     }
 }
 
@@ -272,7 +272,6 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     if (!acts_ready(job, ulb_weight_panels_end(w, p0), ulb_weight_panels_end(w, p1))) return;
     ulb_acts acts = job->q->acts;
     acts.prefetch_end = ulb_weight_panels_end(w, p1);
-    int64_t m0;
     if (job->N == 1) {
         one_token_panels(job, &acts, p0, p1);
         return;
@@ -283,6 +282,7 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     }
     float facc[ULB_NB_MAX * ULB_PANEL_ROWS] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; p++) {
+        int64_t m0;
         const int64_t rows = panel_rows(w, p, p + 1, &m0);
         for (int64_t n0 = 0; n0 < job->N; n0 += ULB_NB_MAX) {
             const int nb = job->N - n0 < ULB_NB_MAX ? (int)(job->N - n0) : ULB_NB_MAX;

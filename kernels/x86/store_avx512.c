@@ -24,7 +24,7 @@ ALWAYS_INLINE __m512 load_elems(const void *p, ulb_dtype dt, int64_t i, __mmask1
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Rows [0, rows) of token j scaled and biased, 16 from row r on (m: those kept). */
+/* 16 rows of token j from row r on (m: those kept), scaled and biased. */
 ALWAYS_INLINE __m512 out_rows(const ulb_out *o, const float *facc, int j, __m512 xs, int64_t m0, int64_t r,
                               __mmask16 m) {
     __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, facc + j * ULB_PANEL_ROWS + r), xs);
@@ -32,8 +32,8 @@ ALWAYS_INLINE __m512 out_rows(const ulb_out *o, const float *facc, int j, __m512
     return v;
 }
 
-/* Whole lines of y from row r0 on, with non-temporal stores while y is
- * 64-byte aligned there; returns the first row not written. */
+/* The whole lines of y that rows [0, rows) fill, with non-temporal stores,
+ * if y is 64-byte aligned at row 0; returns the first row not written. */
 static int64_t stream_lines(const ulb_out *o, const float *facc, int j, __m512 xs, int64_t yrow, int64_t m0,
                             int64_t rows) {
     const int64_t per_line = o->y_dt == ULB_DT_F32 ? 16 : 32;
@@ -51,7 +51,7 @@ static int64_t stream_lines(const ulb_out *o, const float *facc, int j, __m512 x
                                                               f32_to_bf16(v1), 1));
         }
     }
-    _mm_sfence(); /* the stores are weakly ordered: visible before the caller's join */
+    if (r) _mm_sfence(); /* the stores are weakly ordered: visible before the caller's join */
     return r;
 }
 
