@@ -112,7 +112,37 @@ static void kernel_loop_panels(const uint8_t *blob, int64_t nbytes, int ring) {
     }
 }
 
-enum { PROBE, R16, R32, R64, R64T, KLOOP, KPANELS, KRING, GEMV, NCAND };
+/* The 1-bit lookup kernel over every panel of a per-channel 1-bit blob;
+ * m_buffer: each panel's sums to its rows of panel_out, else all to one
+ * 64-entry buffer. */
+#define LUT1_PREFETCH (16 << 10) /* the 1-bit distance, kernels/src/prefetch.c */
+static void lut1_panels(const uint8_t *blob, int64_t nbytes, int m_buffer) {
+    static uint8_t *tables;
+    static int64_t tables_ksteps;
+    ulb_weight w;
+    if (ulb_weight_view(blob, nbytes, &w) != ULB_OK || w.bits != 1 || w.n_groups != 1 || w.M_pad % ULB_PANEL_ROWS)
+        abort();
+    if (tables_ksteps != w.ksteps) {
+        int8_t *xq = ulb_aligned_alloc((size_t)w.K_pad);
+        ulb_aligned_free(tables);
+        tables = ulb_aligned_alloc((size_t)(w.ksteps * ULB_LUT1_STEP_BYTES));
+        if (!xq || !tables) abort();
+        for (int64_t k = 0; k < w.K_pad; k++) xq[k] = (int8_t)(rand() % 255 - 127);
+        ulb_lut1_build_avx512(xq, w.ksteps, tables);
+        ulb_aligned_free(xq);
+        tables_ksteps = w.ksteps;
+    }
+    int32_t sums[ULB_PANEL_ROWS] __attribute__((aligned(64)));
+    const int64_t np = ulb_weight_npanels(&w);
+    const uint8_t *end = ulb_weight_panels_end(&w, np);
+    for (int64_t p = 0; p < np; p++) {
+        const uint8_t *codes = ulb_group_base(&w, p, ULB_PANEL_TILES, 0) + ULB_PANEL_TILES * ULB_TILE_SCALE_BYTES;
+        ulb_lut1_group_avx512(codes, 0, w.ksteps, ULB_PANEL_TILES, tables, LUT1_PREFETCH, end,
+                              m_buffer ? (int32_t *)panel_out + p * ULB_PANEL_ROWS : sums);
+    }
+}
+
+enum { PROBE, R16, R32, R64, R64T, KLOOP, KPANELS, KRING, LUT1, LUT1M, GEMV, NCAND };
 
 #define READ_UNIT (64 * 1024) /* as kernels/src/probe.c */
 
@@ -152,6 +182,10 @@ static int widths_run(void *ctx, int c) {
         for (int i = 0; i < j->n; i++) kernel_loop(j->blobs[i], (j->nbytes - 64) / 256, j->blobs[i] + j->nbytes, NULL);
         return 0;
     }
+    if (c == LUT1 || c == LUT1M) {
+        for (int i = 0; i < j->n; i++) lut1_panels(j->blobs[i], j->nbytes, c == LUT1M);
+        return 0;
+    }
     if (c == KPANELS || c == KRING) {
         for (int i = 0; i < j->n; i++) kernel_loop_panels(j->blobs[i], j->nbytes, c == KRING);
         return 0;
@@ -174,12 +208,15 @@ int main(int argc, char **argv) {
     const int have_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
     const int loops = have_vnni && threads == 1 && fmt == ULB_FMT_INT2_SYM && M % ULB_PANEL_ROWS == 0 &&
                       M <= (int64_t)(sizeof panel_out / sizeof *panel_out);
+    const int lut1 = have_vnni && __builtin_cpu_supports("avx512vbmi") && threads == 1 && fmt == ULB_FMT_BINARY &&
+                     M % ULB_PANEL_ROWS == 0 && M <= (int64_t)(sizeof panel_out / sizeof *panel_out);
     for (int c = 0; c < NCAND; c++)
-        runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : (c >= KLOOP && c <= KRING) ? loops : 1;
+        runs[c] = c == R32 ? have256 : (c == R64 || c == R64T) ? have512 : (c >= KLOOP && c <= KRING) ? loops
+                : (c == LUT1 || c == LUT1M) ? lut1 : 1;
     float *x = malloc(K * sizeof(float)), *y = malloc(M * sizeof(float));
     for (int64_t k = 0; k < K; k++) x[k] = (float)rand() / RAND_MAX - 0.5f;
     const char *names[NCAND] = {"ulb_read_probe", "16-byte loads", "32-byte loads", "64-byte loads", "64 + 8-byte", "kernel's loop", "... per panel", "... 1 KiB ring",
-                                "GEMV"};
+                                "1-bit lookups", "... M buffer", "GEMV"};
     widths_job job = {blobs, n, nbytes, x, y, a};
     static bench_times t[NCAND];
     if (bench_interleave(NCAND, rounds, runs, widths_run, &job, t)) return 2;
