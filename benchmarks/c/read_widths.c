@@ -136,7 +136,12 @@ static void lut1_panels(const uint8_t *blob, int64_t nbytes, int m_buffer) {
     const int64_t np = ulb_weight_npanels(&w);
     const uint8_t *end = ulb_weight_panels_end(&w, np);
     for (int64_t p = 0; p < np; p++) {
-        const uint8_t *codes = ulb_group_base(&w, p, ULB_PANEL_TILES, 0) + ULB_PANEL_TILES * ULB_TILE_SCALE_BYTES;
+        const uint8_t *group = ulb_group_base(&w, p, ULB_PANEL_TILES, 0);
+        /* As the panel kernel, the scales too: the tile loop's prefetches
+         * leave out the last lines of each panel. */
+        for (int t = 0; t < ULB_PANEL_TILES; t++)
+            ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, LUT1_PREFETCH, end);
+        const uint8_t *codes = group + ULB_PANEL_TILES * ULB_TILE_SCALE_BYTES;
         ulb_lut1_group_avx512(codes, 0, w.ksteps, ULB_PANEL_TILES, tables, LUT1_PREFETCH, end,
                               m_buffer ? (int32_t *)panel_out + p * ULB_PANEL_ROWS : sums);
     }
