@@ -1,21 +1,20 @@
-/* What a streamed weight read does to its caller's cached state: a big
- * buffer (2 MiB pages under ULB_BENCH_HUGEPAGES=1) read slice by slice with
+/* What a streamed weight read does to its caller's cached state: a buffer
+ * of bench_cold_bytes (2 MiB pages under ULB_BENCH_HUGEPAGES=1) read slice by slice with
  * ulb_read_probe, each slice as one call, alone and with a dependent walk
  * over `lines` random lines of a 64 MiB heap in 4 KiB pages between calls,
  * standing for the interpreter and framework state a Python call touches.
  * Prints, per slice size, both read rates and the walk's microseconds per
  * call: a walk of lines still cached costs little, one that the slice
  * pushed out to DRAM pays a miss (and a page walk) per line. On the Xeon VM
- * of benchmarks/results (run X6), 200 lines: 1.2 us after 0.25 MiB, 1.4
- * after 1 MiB, 10.6 after 4 MiB, 46 after 16 MiB, so the stream evicts the
- * caller's lines from L2 and L3 alike.
+ * of benchmarks/results (run X6), 200 lines, three runs: 1.2-2.0 us after
+ * 0.25 MiB, 1.4-4.6 after 1 MiB, 10.6-21 after 4 MiB, 37-46 after 16 MiB,
+ * so the stream evicts the caller's lines from L2 and L3 alike.
  * Usage: caller_state [lines threads rounds]. */
 #include <stdint.h>
 
 #include "cold_blobs.h"
 
-#define BUFFER_BYTES ((int64_t)1200 << 20)
-#define HEAP_BYTES ((int64_t)64 << 20)
+#define HEAP_BYTES ((size_t)64 << 20)
 
 int main(int argc, char **argv) {
     const int lines = argc > 1 ? atoi(argv[1]) : 200, threads = argc > 2 ? atoi(argv[2]) : 1;
@@ -24,16 +23,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: caller_state [lines threads rounds]\n");
         return 2;
     }
-    const int64_t huge = 2 << 20; /* the buffer starts on a 2 MiB boundary, so its pages can be huge */
-    uint8_t *map = mmap(NULL, BUFFER_BYTES + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    uint64_t *heap = mmap(NULL, HEAP_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (map == MAP_FAILED || heap == MAP_FAILED) return 2;
-    uint8_t *buf = (uint8_t *)(((uintptr_t)map + huge - 1) & ~(uintptr_t)(huge - 1));
-    if (bench_page_advice()) madvise(buf, BUFFER_BYTES, bench_page_advice());
-    madvise(heap, HEAP_BYTES, MADV_NOHUGEPAGE);
-    memset(buf, 1, BUFFER_BYTES);
-    /* A cycle through `lines` random lines of the heap, each holding the next's word index. */
+    /* On 2 MiB boundaries, as bench_cold_blobs' arena, so that the buffer's pages can be huge. */
+    const size_t huge = 2u << 20, buffer_bytes = (size_t)bench_cold_bytes() / huge * huge;
+    uint8_t *buf = aligned_alloc(huge, buffer_bytes);
+    uint64_t *heap = aligned_alloc(huge, HEAP_BYTES);
     int64_t *at = malloc(lines * sizeof *at);
+    if (!buf || !heap || !at) return 2;
+    if (bench_page_advice()) madvise(buf, buffer_bytes, bench_page_advice());
+    madvise(heap, HEAP_BYTES, MADV_NOHUGEPAGE);
+    memset(buf, 1, buffer_bytes);
+    /* A cycle through `lines` random lines of the heap, each holding the next's word index. */
     srand(1);
     for (int i = 0; i < lines; i++) at[i] = ((int64_t)rand() * 7919 + rand()) % (HEAP_BYTES / 64) * 8;
     for (int i = 0; i < lines; i++) heap[at[i]] = (uint64_t)at[(i + 1) % lines];
@@ -41,9 +40,9 @@ int main(int argc, char **argv) {
     const double mib[] = {0.25, 1, 4, 16};
     uint64_t sink = 0, checksum;
     printf("slices of a %.0f MiB buffer, %d thread(s), a walk over %d lines between calls with it\n",
-           BUFFER_BYTES / 1048576.0, threads, lines);
+           buffer_bytes / 1048576.0, threads, lines);
     for (int s = 0; s < 4; s++) {
-        const int64_t n = (int64_t)(mib[s] * 1048576), calls = BUFFER_BYTES / n;
+        const int64_t n = (int64_t)(mib[s] * 1048576), calls = (int64_t)buffer_bytes / n;
         double alone[BENCH_MAX_ROUNDS], with[BENCH_MAX_ROUNDS], walk[BENCH_MAX_ROUNDS];
         for (int r = 0; r < rounds; r++) {
             double t0 = bench_now_s();

@@ -16,6 +16,11 @@
  * does or into a 1 KiB ring. On the Xeon of benchmarks/results (run X5) the
  * whole-blob loop and the ring read 93-100% of the probe, the loop storing
  * per panel into the M-float buffer 86-92%, next to the GEMV's 89-92%.
+ * Two more run the 1-bit lookup kernel (ulb_lut1_group_avx512 at the GEMV's
+ * prefetch distance, tables of a random token built once) panel by panel
+ * over per-channel 1-bit blobs on one thread, each panel's sums into one
+ * 64-entry buffer or into an M-entry buffer as the output step reads them
+ * (run X6: 94-95% and 88-90% of the probe at K >= 4096, the GEMV 87-92%).
  * Usage: read_widths [M K format threads rounds]; every candidate runs on
  * `threads` threads, the plain loops over the probe's 64 KiB units and
  * work split. */
@@ -115,7 +120,6 @@ static void kernel_loop_panels(const uint8_t *blob, int64_t nbytes, int ring) {
 /* The 1-bit lookup kernel over every panel of a per-channel 1-bit blob;
  * m_buffer: each panel's sums to its rows of panel_out, else all to one
  * 64-entry buffer. */
-#define LUT1_PREFETCH (16 << 10) /* the 1-bit distance, kernels/src/prefetch.c */
 static void lut1_panels(const uint8_t *blob, int64_t nbytes, int m_buffer) {
     static uint8_t *tables;
     static int64_t tables_ksteps;
@@ -133,6 +137,7 @@ static void lut1_panels(const uint8_t *blob, int64_t nbytes, int m_buffer) {
         tables_ksteps = w.ksteps;
     }
     int32_t sums[ULB_PANEL_ROWS] __attribute__((aligned(64)));
+    const int64_t dist = ulb_prefetch_resolve(w.bits, 1, ulb_weight_group_code_bytes(&w)); /* as the GEMV's */
     const int64_t np = ulb_weight_npanels(&w);
     const uint8_t *end = ulb_weight_panels_end(&w, np);
     for (int64_t p = 0; p < np; p++) {
@@ -140,9 +145,9 @@ static void lut1_panels(const uint8_t *blob, int64_t nbytes, int m_buffer) {
         /* As the panel kernel, the scales too: the tile loop's prefetches
          * leave out the last lines of each panel. */
         for (int t = 0; t < ULB_PANEL_TILES; t++)
-            ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, LUT1_PREFETCH, end);
+            ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, dist, end);
         const uint8_t *codes = group + ULB_PANEL_TILES * ULB_TILE_SCALE_BYTES;
-        ulb_lut1_group_avx512(codes, 0, w.ksteps, ULB_PANEL_TILES, tables, LUT1_PREFETCH, end,
+        ulb_lut1_group_avx512(codes, 0, w.ksteps, ULB_PANEL_TILES, tables, dist, end,
                               m_buffer ? (int32_t *)panel_out + p * ULB_PANEL_ROWS : sums);
     }
 }
