@@ -176,7 +176,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, 
     K = codes.shape[1]
     levels = fmt.codes_to_levels(codes).to(torch.float32)
     gs = normalize_group_size(group_size, K, fmt) or K
-    s = scales.to(torch.float32).repeat_interleave(gs, dim=1)[:, :K]
+    # Each column's group by index, not repeat_interleave(gs)[:, :K]: inductor
+    # compiled that cut wrongly where the last group is partial (its columns
+    # read past the scales; torch 2.13).
+    s = scales.to(torch.float32)[:, torch.arange(K, device=scales.device) // gs]
     return levels * s
 
 
