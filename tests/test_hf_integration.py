@@ -61,10 +61,54 @@ def test_quantize_then_save_pretrained_reloads_packed(float_dir, tmp_path, kwarg
     assert torch.equal(again(ids).logits, logits)
 
 
-def test_quantize_with_include_patterns_records_no_config(float_dir):
-    """UlbConfig has no include patterns: such a model is saved with
-    ulbtorch.save_quantized, and its config says nothing it cannot mean."""
-    model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), bits=2, include=["*.mlp.*"])
+def _reloads_bit_exact(model, tmp_path):
+    ids = torch.randint(0, 300, (1, 7))
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()]
+    assert torch.equal(again(ids).logits, logits)
+
+
+@pytest.mark.parametrize("kwargs", [dict(include=["*.mlp.*"]), dict(include=["*.mlp.*"], lm_head_bits=8)])
+def test_quantize_with_include_patterns_saves_through_transformers(float_dir, tmp_path, kwargs):
+    """Include patterns are recorded as the names of the layers they leave
+    out (UlbConfig has modules_to_not_convert only): save_pretrained then
+    writes a checkpoint from_pretrained loads packed, bit for bit (before,
+    it loaded those layers with random weights)."""
+    model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), bits=2, **kwargs)
+    skipped = model.config.quantization_config.modules_to_not_convert
+    assert "model.layers.0.self_attn.q_proj" in skipped and "model.layers.0.mlp.up_proj" not in skipped
+    _reloads_bit_exact(model, tmp_path)
+
+
+def test_second_quantize_converting_nothing_keeps_the_config(float_dir, tmp_path):
+    """A second quantize_ that selects no layer leaves the first one's
+    config (it once recorded its own, so the checkpoint failed to load)."""
+    model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), bits=2)
+    with pytest.warns(UserWarning, match="no layer converted"):
+        ulbtorch.quantize_(model, bits=1)
+    assert model.config.quantization_config.format == "int2_sym"
+    _reloads_bit_exact(model, tmp_path)
+
+
+def test_mixed_formats_record_no_config(float_dir):
+    """Layers of two formats: no UlbConfig says that, so the first config is
+    dropped with a warning that names save_quantized."""
+    model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), bits=2, exclude=["*.mlp.*", "lm_head"])
+    assert model.config.quantization_config.format == "int2_sym"
+    with pytest.warns(UserWarning, match="save_quantized"):
+        ulbtorch.quantize_(model, bits=1, include=["*.mlp.*"])
+    assert getattr(model.config, "quantization_config", None) is None
+
+
+def test_tied_quantized_lm_head_records_no_config(tmp_path):
+    """exclude=[] quantizes an lm_head tied to the input embedding, which
+    transformers cannot save packed: no config, and a warning."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CFG, tie_word_embeddings=True))
+    with pytest.warns(UserWarning, match="tied to the input embedding"):
+        ulbtorch.quantize_(model, bits=2, exclude=[])
     assert getattr(model.config, "quantization_config", None) is None
 
 

@@ -9,11 +9,14 @@ layers whose `packed` buffers the checkpoint fills like any other tensor.
 """
 from __future__ import annotations
 
+import warnings
+
+from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..hugepages import move_to_hugepages
-from ..nn import MODULE_FOR_FORMAT, LowBitLinear, bf16_gemv_, replace_module
+from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import patterns
 from ..quantize import LM_HEAD, QuantConfig, quantize_
 from ..runtime import _check_bool
@@ -86,21 +89,76 @@ class UlbConfig(QuantizationConfigMixin):
 
 
 def record_quant_config(model, config: QuantConfig) -> None:
-    """After quantize_: set model.config.quantization_config to the UlbConfig
-    of `config`, so that transformers' save_pretrained writes a checkpoint
-    that from_pretrained loads packed (without it, from_pretrained builds
-    nn.Linear layers and leaves their weights random). Left alone where a
-    UlbConfig cannot say what quantize_ did: include patterns, a quantized
-    lm_head tied to the input embedding, or another quantization method."""
+    """After quantize_: set model.config.quantization_config to a UlbConfig
+    that describes every linear layer of the model, so that transformers'
+    save_pretrained writes a checkpoint that from_pretrained loads packed
+    (without it, from_pretrained builds nn.Linear layers and leaves their
+    weights random). Include patterns become the exact names of the layers
+    they leave out. A second quantize_ that converts nothing keeps the config
+    of the first; one that leaves the model in formats no single UlbConfig
+    says (two main formats, or a quantized lm_head tied to the input
+    embedding, which transformers cannot save packed) drops a ulb config
+    and warns: such a model is saved with ulbtorch.save_quantized. Another
+    quantization method's config is left alone."""
     previous = getattr(model.config, "quantization_config", None)
     if previous is not None and getattr(previous, "quant_method", None) != QUANT_METHOD:
         return
-    if config.include != ["*"] or (config.lm_head_bits is not None and model.config.tie_word_embeddings):
+    candidate = _config_for(model, config)
+    if candidate is not None and _describes(model, candidate.to_quant_config()):
+        model.config.quantization_config = candidate
         return
-    model.config.quantization_config = UlbConfig(
-        bits=config.bits, format=config.format, group_size=config.group_size, granularity=config.granularity,
-        method=config.method, modules_to_not_convert=config.exclude, bf16_gemv=config.bf16_gemv,
-        lm_head_bits=config.lm_head_bits, lm_head_group_size=config.lm_head_group_size)
+    if previous is not None and _describes(model, previous.to_quant_config()):
+        return
+    if previous is not None:
+        del model.config.quantization_config
+    warnings.warn("quantize_: no UlbConfig describes this model's layers (" +
+                  ("a quantized lm_head tied to the input embedding" if candidate is None else
+                   "layers of more than one format or group size") +
+                  "), so model.config records none and transformers' save_pretrained would write a checkpoint "
+                  "that loads unquantized; save it with ulbtorch.save_quantized", stacklevel=3)
+
+
+def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
+    """config as a UlbConfig (its include patterns turned into the names of
+    the float layers they leave out), or None where the model's output
+    embedding is a quantized layer tied to its input embedding."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(model.config, "tie_word_embeddings", False) and isinstance(out, LowBitLinear):
+        return None
+    exclude = list(config.exclude)
+    if config.include != ["*"]:
+        head = config.head_config()
+        exclude += sorted(n for n, m in model.named_modules()
+                          if type(m) in (nn.Linear, LinearBF16) and not config.selects(n)
+                          and not (head is not None and (m is out or head.selects(n))))
+    return UlbConfig(bits=config.bits, format=config.format, group_size=config.group_size,
+                     granularity=config.granularity, method=config.method, modules_to_not_convert=exclude,
+                     bf16_gemv=config.bf16_gemv, lm_head_bits=config.lm_head_bits,
+                     lm_head_group_size=config.lm_head_group_size)
+
+
+def _describes(model, config: QuantConfig) -> bool:
+    """Whether loading a float model of this architecture under `config`
+    gives every linear layer the format and group size it has now (plain
+    nn.Linear and LinearBF16 alike are float)."""
+    head_cfg = config.head_config()
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, m in model.named_modules():
+        if type(m) in (nn.Linear, LinearBF16):
+            have = None
+        elif isinstance(m, LowBitLinear):
+            have = (m.format, m.group_size)
+        else:
+            continue
+        if config.selects(name):
+            want = config
+        elif head_cfg is not None and (m is out or head_cfg.selects(name)):
+            want = head_cfg
+        else:
+            want = None
+        if (None if want is None else (want.format, want.layer_args(m.in_features)["group_size"])) != have:
+            return False
+    return True
 
 
 def _check_untied_output(model, targets) -> None:
