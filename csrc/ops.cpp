@@ -115,7 +115,7 @@ Packed check_packed(const Tensor &packed, const char *op) {
   check_cpu(m, op, "packed weight");
   ULB_CHECK(m.dtype == kU8 && m.dim == 1 && m.contiguous(), "ulb.", op,
             ": packed weight must be a 1-D contiguous uint8 tensor made by ulb.pack, got dtype ",
-            dtype_name(m.dtype), " with ", m.dim, " dims");
+            dtype_name(m.dtype), " with ", m.dim, " dims", m.contiguous() ? "" : ", not contiguous");
   Packed p{static_cast<const uint8_t *>(packed.const_data_ptr()), m.sizes[0], {}};
   check_ok(ulb_blob_header(p.blob, p.nbytes, &p.h), op);
   return p;

@@ -68,10 +68,11 @@ def test_packed_not_a_blob(blob, x):
             torch.ops.ulb.linear(x, bad, None, M)
         with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
             ops.unpack(bad)
-    for bad in (blob.float(), blob.view(1, -1), blob.to(torch.int8),
-                torch.stack([blob, blob], 1)[:, 0]):  # non-contiguous
+    for bad in (blob.float(), blob.view(1, -1), blob.to(torch.int8)):
         with pytest.raises(RuntimeError, match="packed weight must be a 1-D contiguous uint8 tensor"):
             torch.ops.ulb.linear(x, bad, None, M)
+    with pytest.raises(RuntimeError, match="1-D contiguous uint8 tensor .* 1 dims, not contiguous"):
+        torch.ops.ulb.linear(x, torch.stack([blob, blob], 1)[:, 0], None, M)
     with pytest.raises(TypeError, match="packed weight must be the 1-D uint8 tensor"):
         ops.packed_info(blob.float())
     with pytest.raises(TypeError, match="packed weight must be the 1-D uint8 tensor"):
@@ -590,6 +591,14 @@ def test_unknown_isa_in_the_environment_warns():
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() in runtime.ISAS, out.stderr
     assert "ULB_ISA='avx-2' is not one of" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["ULB_EAGER", "ULB_LUT1"])
+def test_switch_in_the_environment_other_than_0_or_1_warns(name):
+    env = dict(os.environ, **{name: "off"})
+    out = subprocess.run([sys.executable, "-c", "import ulbtorch"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0 and f"{name}='off' is not '0' or '1'; taken as '1' (on)" in out.stderr, out.stderr
 
 
 def test_meta_input_to_a_module_gives_the_output_shape():

@@ -264,6 +264,21 @@ def test_backward_goes_straight_through_the_activation_rounding(gen, cls, fmt, d
     layer.force_reference = False
 
 
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_torch_func_grad_matches_autograd(gen, cls, fmt):
+    """torch.func.grad (functorch) through a layer: the kernel and reference
+    paths give the gradient that backward() does (an autograd.Function
+    without setup_context was refused by the transform)."""
+    _, layer = _layer(gen, cls, fmt)
+    x0 = torch.randn(3, K_IN, generator=gen)
+    for reference in (False, True):
+        layer.force_reference = reference
+        x = x0.clone().requires_grad_(True)
+        layer(x).pow(2).sum().backward()
+        assert torch.equal(torch.func.grad(lambda t: layer(t).pow(2).sum())(x0), x.grad)
+    layer.force_reference = False
+
+
 def test_bf16_module(gen):
     """model.to(bfloat16): the bias turns bf16, the packed bytes must not change."""
     _, layer = _layer(gen, LinearTernary, "ternary")
@@ -482,6 +497,12 @@ def test_meta_layer_gives_meta_output(gen, cls, fmt):
 def test_from_linear_refuses_meta_weights():
     with pytest.raises(ValueError, match="meta device.*nothing to quantize"):
         Linear2Bit.from_linear(torch.nn.Linear(K_IN, M_OUT, device="meta"))
+
+
+@pytest.mark.parametrize("shape", [(K_IN, 0), (0, M_OUT)])
+def test_from_linear_refuses_empty_layers(shape):
+    with pytest.raises(ValueError, match="in_features=.*out_features=.*at least 1"):
+        Linear2Bit.from_linear(torch.nn.Linear(*shape))
 
 
 @pytest.mark.parametrize("granularity", ["channel", "tensor"])

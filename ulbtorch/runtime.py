@@ -140,6 +140,18 @@ def _check_isa_env() -> None:
 _check_isa_env()
 
 
+def _check_switch_env() -> None:
+    """The on/off switches read at load (ULB_EAGER here, ULB_LUT1 by the
+    kernels) turn off on "0" alone: say so of any value but 0 and 1."""
+    for name in ("ULB_EAGER", "ULB_LUT1"):
+        value = os.environ.get(name)
+        if value is not None and value not in ("0", "1"):
+            warnings.warn(f"{name}={value!r} is not '0' or '1'; taken as '1' (on)", RuntimeWarning, stacklevel=2)
+
+
+_check_switch_env()
+
+
 @contextlib.contextmanager
 def _setting(get, set_, value):
     """set_(value) for the enclosed calls, then back to get()'s value.

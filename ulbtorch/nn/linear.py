@@ -29,11 +29,17 @@ class _KernelLinear(torch.autograd.Function):
     goes straight through the int8 rounding of the activations (as in
     BitNet's training), dx = dy W with W the dequantised weight."""
 
+    # forward without ctx, and setup_context: the form torch.func's
+    # transforms (grad, jacrev) accept.
     @staticmethod
-    def forward(ctx, x, bias, layer):
+    def forward(x, bias, layer):
+        return _call_kernel(layer, x, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, bias, layer = inputs
         ctx.layer, ctx.x_dtype = layer, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _call_kernel(layer, x, bias)
 
     @staticmethod
     def backward(ctx, gy):
@@ -62,8 +68,12 @@ class _FakeQuantSTE(torch.autograd.Function):
     """The kernels' activation rounding, forward bit for bit; backward the identity."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(x):
         return ops.fake_quantize_activations(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, g):
@@ -136,6 +146,9 @@ class LowBitLinear(nn.Module):
             raise ValueError(f"{cls.__name__}.from_linear: the layer's weight is on the meta device, so there is "
                              "nothing to quantize; load its weights first (or build the layer with device='meta' "
                              "and load a packed state_dict)")
+        if linear.in_features < 1 or linear.out_features < 1:
+            raise ValueError(f"{cls.__name__}.from_linear: the layer has in_features={linear.in_features}, "
+                             f"out_features={linear.out_features}; both must be at least 1")
         gs = normalize_group_size(group_size, linear.in_features, fmt)
         if granularity not in (None, "group") and gs:
             raise ValueError(f"group_size={group_size} needs granularity='group' (or None), got {granularity!r}")
