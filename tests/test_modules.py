@@ -499,6 +499,18 @@ def test_from_linear_refuses_meta_weights():
         Linear2Bit.from_linear(torch.nn.Linear(K_IN, M_OUT, device="meta"))
 
 
+def test_blob_of_another_format_copied_in_place_is_refused(gen):
+    """A same-size ternary blob written into a Linear2Bit's packed bytes:
+    dequantize() (and so the reference path and backward) refuses it rather
+    than reading ternary codes as int2_sym levels."""
+    _, layer = _layer(gen, Linear2Bit, "int2_sym")
+    other = LinearTernary.from_linear(_float_linear(gen), group_size=32).packed
+    assert other.shape == layer.packed.shape
+    layer.packed.copy_(other)
+    with pytest.raises(RuntimeError, match="overwritten in place.*'ternary'.*'int2_sym'"):
+        layer.dequantize()
+
+
 @pytest.mark.parametrize("shape", [(K_IN, 0), (0, M_OUT)])
 def test_from_linear_refuses_empty_layers(shape):
     with pytest.raises(ValueError, match="in_features=.*out_features=.*at least 1"):

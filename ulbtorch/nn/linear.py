@@ -161,6 +161,13 @@ class LowBitLinear(nn.Module):
     # ---- inspection ---------------------------------------------------------
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._require_packed()
+        if not torch.compiler.is_compiling():
+            # __setattr__ and load_state_dict check a new blob; bytes written
+            # into `packed` in place are checked here, before dequantize(),
+            # the reference path or backward read them under this layer's format.
+            why = self.packed_mismatch()
+            if why:
+                raise RuntimeError(f"{type(self).__name__}.packed was overwritten in place: {why}")
         codes, scales = ops.unpack(self.packed)
         # The op's sizes come from the blob's header, unknown to a compiled
         # graph; the layer's geometry (which its blob is checked against) pins them.
