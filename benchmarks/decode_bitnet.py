@@ -89,7 +89,8 @@ def main(argv=None):
         record("int2_sym (quantize_)", model)
         del model
         gc.collect()
-        tern = load_bitnet_checkpoint(tmp, dtype=torch.bfloat16)
+        # lm_head stock bf16 as in the 2-bit row; --bf16-gemv then adds the GEMV.
+        tern = load_bitnet_checkpoint(tmp, dtype=torch.bfloat16, bf16_gemv=False)
         record("ternary (HF BitNet import)", tern)
         if args.bf16_gemv:
             ulbtorch.bf16_gemv_(tern)

@@ -140,7 +140,8 @@ def main(argv=None):
     p.add_argument("--models", help="comma-separated subset of shapes.json's gemv_shapes (default: all)")
     p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     p.add_argument("--formats", default="int2_sym,ternary,binary",
-                   help="comma-separated: int2_sym (2), int2, ternary, binary (1). Default int2_sym,ternary,binary")
+                   help="comma-separated: int2_sym (2), int2, ternary, binary (1), int4 (4), int8 (8). "
+                        "Default int2_sym,ternary,binary")
     p.add_argument("--group-size", type=int, default=0, help="0 = per-channel scales (default)")
     p.add_argument("--act-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="dtype of the activations fed to our op (bf16 F.linear always gets bf16)")

