@@ -560,14 +560,35 @@ def test_quantize_warns_when_nothing_is_converted():
 
 
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
-def test_autocast_runs_bf16_like_nn_linear(gen, cls, fmt):
-    """Under CPU autocast nn.Linear casts input and bias to bf16 and returns
-    bf16; the low-bit layers do the same (the module call and the op)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_in_its_dtype_like_nn_linear(gen, cls, fmt, dtype):
+    """Under CPU autocast nn.Linear casts input and bias to the autocast
+    dtype and returns it; the low-bit layers do the same (the module call,
+    the op, and a compiled layer), fp16 through fp32 as fp16 inputs run
+    (it returned bf16 under an fp16 autocast)."""
     _, layer = _layer(gen, cls, fmt)
     x = torch.randn(3, K_IN, generator=gen)
-    want = torch.ops.ulb.linear(x.bfloat16(), layer.packed, layer.bias.bfloat16(), M_OUT)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.nn.Linear(K_IN, M_OUT)(x).dtype == torch.bfloat16
+    if dtype == torch.float16:
+        want = torch.ops.ulb.linear(x.half().float(), layer.packed, layer.bias.half().float(), M_OUT).half()
+    else:
+        want = torch.ops.ulb.linear(x.bfloat16(), layer.packed, layer.bias.bfloat16(), M_OUT)
+    with torch.autocast("cpu", dtype=dtype):
+        assert torch.nn.Linear(K_IN, M_OUT)(x).dtype == dtype
         y = layer(x)
         y_op = torch.ops.ulb.linear(x, layer.packed, layer.bias, M_OUT)
-    assert y.dtype == torch.bfloat16 and torch.equal(y, want) and torch.equal(y_op, want)
+    assert y.dtype == dtype and torch.equal(y, want) and torch.equal(y_op, want)
+
+
+def test_autocast_fp16_compiled(gen):
+    """The autocast rule traces: a compiled layer under an fp16 autocast
+    returns fp16, equal to eager but for the rounding of x to fp16, which
+    inductor does not emulate inside its fused casts (so a few activations
+    round to the next int8 step)."""
+    _, layer = _layer(gen)
+    x = torch.randn(3, K_IN, generator=gen)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = layer(x)
+        torch._dynamo.reset()
+        y_comp = torch.compile(layer, fullgraph=True)(x)
+    assert y_comp.dtype == torch.float16
+    torch.testing.assert_close(y_comp, y, rtol=0, atol=1e-2 * y.abs().max().item())

@@ -25,9 +25,30 @@ def _linear_fake(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-# Under torch.autocast on CPU nn.Linear computes in and returns bf16; so does
-# ulb.linear, whatever the autocast dtype (it takes no fp16).
-torch.library.register_autocast("ulb::linear", "cpu", torch.bfloat16)
+# Under torch.autocast on CPU nn.Linear computes in the autocast dtype and
+# returns it; so does ulb.linear. torch.library.register_autocast casts to
+# one dtype fixed at registration, so the rule is registered as it does (a
+# kernel for the dispatcher, the same function for tracing), reading the
+# dtype per call: bf16 inputs go to the kernel as they are; fp16, which the
+# kernels do not take, is rounded to fp16 and runs through fp32, as an fp16
+# input to the modules does.
+_AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
+_linear_default = torch.ops.ulb.linear.default
+
+
+def _linear_autocast(x, packed, bias, out_features):
+    dt = torch.get_autocast_dtype("cpu")
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST_CPU)):
+        if dt == torch.float16:
+            y = _linear_default(x.to(dt).float(), packed, None if bias is None else bias.to(dt).float(),
+                                out_features)
+            return y.to(dt)
+        return _linear_default(x.to(dt), packed, None if bias is None else bias.to(dt), out_features)
+
+
+_linear_default.py_impl(_AUTOCAST_CPU)(_linear_autocast)
+_autocast_lib = torch.library.Library("ulb", "FRAGMENT")
+_autocast_lib.impl("linear", lambda _keys, *args: _linear_autocast(*args), "AutocastCPU", with_keyset=True)
 
 
 @torch.library.register_fake("ulb::linear_bf16")
