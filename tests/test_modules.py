@@ -577,6 +577,8 @@ def test_autocast_runs_in_its_dtype_like_nn_linear(gen, cls, fmt, dtype):
         y = layer(x)
         y_op = torch.ops.ulb.linear(x, layer.packed, layer.bias, M_OUT)
     assert y.dtype == dtype and torch.equal(y, want) and torch.equal(y_op, want)
+    with torch.autocast("cpu", dtype=dtype), pytest.raises((TypeError, RuntimeError), match="float32 or bfloat16"):
+        torch.ops.ulb.linear(x.to(torch.int32), layer.packed, layer.bias, M_OUT)  # not cast: refused
 
 
 def test_autocast_fp16_compiled(gen):

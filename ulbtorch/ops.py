@@ -38,12 +38,14 @@ _linear_default = torch.ops.ulb.linear.default
 
 def _linear_autocast(x, packed, bias, out_features):
     dt = torch.get_autocast_dtype("cpu")
+    run = torch.float32 if dt == torch.float16 else dt
+
+    def cast(t):  # floating-point tensors only, as autocast casts (others meet the op's checks)
+        return t.to(dt).to(run) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST_CPU)):
-        if dt == torch.float16:
-            y = _linear_default(x.to(dt).float(), packed, None if bias is None else bias.to(dt).float(),
-                                out_features)
-            return y.to(dt)
-        return _linear_default(x.to(dt), packed, None if bias is None else bias.to(dt), out_features)
+        y = _linear_default(cast(x), packed, cast(bias), out_features)
+    return y.to(dt) if run != dt else y
 
 
 _linear_default.py_impl(_AUTOCAST_CPU)(_linear_autocast)
