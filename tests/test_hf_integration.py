@@ -82,6 +82,13 @@ def test_quantize_with_include_patterns_saves_through_transformers(float_dir, tm
     _reloads_bit_exact(model, tmp_path)
 
 
+def test_quantize_converting_nothing_records_nothing(float_dir):
+    model = AutoModelForCausalLM.from_pretrained(float_dir)
+    with pytest.warns(UserWarning, match="no layer converted"):
+        ulbtorch.quantize_(model, bits=2, include=["*.no_such_layer"])
+    assert getattr(model.config, "quantization_config", None) is None
+
+
 def test_second_quantize_converting_nothing_keeps_the_config(float_dir, tmp_path):
     """A second quantize_ that selects no layer leaves the first one's
     config (it once recorded its own, so the checkpoint failed to load)."""

@@ -103,6 +103,8 @@ def record_quant_config(model, config: QuantConfig) -> None:
     previous = getattr(model.config, "quantization_config", None)
     if previous is not None and getattr(previous, "quant_method", None) != QUANT_METHOD:
         return
+    if not any(isinstance(m, LowBitLinear) for m in model.modules()):
+        return  # nothing quantized (include patterns that selected nothing): nothing to say
     candidate = _config_for(model, config)
     if candidate is not None and _describes(model, candidate.to_quant_config()):
         model.config.quantization_config = candidate
