@@ -79,6 +79,7 @@ def test_quantize_with_include_patterns_saves_through_transformers(float_dir, tm
     model = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(float_dir), bits=2, **kwargs)
     skipped = model.config.quantization_config.modules_to_not_convert
     assert "model.layers.0.self_attn.q_proj" in skipped and "model.layers.0.mlp.up_proj" not in skipped
+    assert len(skipped) == len(set(skipped))  # lm_head once: its pattern, not its name again
     _reloads_bit_exact(model, tmp_path)
 
 

@@ -31,3 +31,18 @@ def test_merged_layers_follow_their_shards():
 def test_merged_layer_with_shards_of_two_formats_is_an_error():
     with pytest.raises(ValueError, match=r"qkv_proj merges .* keeps only \['model.layers.0.self_attn.q_proj'\]"):
         _method(["*.q_proj"], "model.layers.0.self_attn.qkv_proj")
+
+
+def test_names_follow_vllms_renames():
+    """vLLM hands the config its model's renames of checkpoint names (LFM2's
+    .conv. is .short_conv.): a layer named exactly in modules_to_not_convert
+    stays bf16 under its vLLM name (it got the low-bit method and failed to
+    load)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    cfg = UlbVllmConfig.from_config({"bits": 2, "modules_to_not_convert": ["lm_head", "model.layers.0.conv.in_proj"]})
+    cfg.packed_modules_mapping = {}
+    cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_substr={".conv.": ".short_conv."}))
+    layer = LinearBase.__new__(LinearBase)
+    assert type(cfg.get_quant_method(layer, "model.layers.0.short_conv.in_proj")) is UnquantizedLinearMethod
+    assert type(cfg.get_quant_method(layer, "model.layers.1.short_conv.in_proj")) is UlbLinearMethod

@@ -17,7 +17,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
-from ..nn.replace import patterns
+from ..nn.replace import name_selected, patterns
 from ..quantize import LM_HEAD, QuantConfig, quantize_
 from ..runtime import _check_bool
 from ..serialization import retile_for_this_cpu
@@ -132,6 +132,7 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
         head = config.head_config()
         exclude += sorted(n for n, m in model.named_modules()
                           if type(m) in (nn.Linear, LinearBF16) and not config.selects(n)
+                          and not name_selected(n, config.exclude, [])  # named by a pattern already
                           and not (head is not None and (m is out or head.selects(n))))
     return UlbConfig(bits=config.bits, format=config.format, group_size=config.group_size,
                      granularity=config.granularity, method=config.method, modules_to_not_convert=exclude,

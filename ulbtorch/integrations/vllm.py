@@ -77,6 +77,13 @@ class UlbVllmConfig(QuantizationConfig):
             return UnquantizedLinearMethod()
         return UlbLinearMethod(self.quant)
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """modules_to_not_convert names the checkpoint's layers; vLLM calls
+        this with the model's renames of them (LFM2's .conv. is .short_conv.,
+        a multimodal model's language layers move under a prefix), as for
+        its own AWQ config."""
+        self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(self.modules_to_not_convert)
+
     def _matches(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.modules_to_not_convert)
 
@@ -93,9 +100,8 @@ class UlbVllmConfig(QuantizationConfig):
         shards = [f"{head}.{s}" if head else s for s in self.packed_modules_mapping.get(proj, ())]
         kept = [s for s in shards if self._matches(s)]
         if kept and len(kept) != len(shards):
-            raise ValueError(f"{prefix} merges {shards}, of which modules_to_not_convert "
-                             f"({self.modules_to_not_convert}) keeps only {kept} in bf16: the layers of one merged "
-                             "matrix must share one format")
+            raise ValueError(f"{prefix} merges {shards}, of which modules_to_not_convert keeps only {kept} in "
+                             "bf16: the layers of one merged matrix must share one format")
         return bool(shards) and len(kept) == len(shards)
 
 
