@@ -51,6 +51,18 @@ def l3_bytes() -> int:
 # benchmarks/results/README.md reports 480 MiB, which a 600 MiB rotation
 # does not safely leave.
 COLD_MIB = max(600, math.ceil(2.5 * l3_bytes() / MiB))
+
+
+def quick_note(rotate_mib: float, what: str = "small rotations and few reps") -> str:
+    """The closing line of a --quick run: its rotations are cold only where
+    they are well above the L3 (not on the Xeon VM, which reports 480 MiB)."""
+    l3 = l3_bytes()
+    if rotate_mib * MiB < 2 * l3:
+        return (f"(--quick: {what}; rotations of {rotate_mib:.0f} MiB against the {l3 / MiB:.0f} MiB L3 this CPU "
+                "reports, so weights may stay in cache: not cold, a smoke test only)")
+    return f"(--quick: {what}; indicative only)"
+
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SHAPES = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "bench", "shapes.json"))
 
@@ -246,6 +258,22 @@ def _probe(streams: int):
     return read
 
 
+def raw_probe(threads: int, streams: int) -> tuple[Callable[[tuple[int, int]], Any], Callable[[torch.Tensor], tuple]]:
+    """The read probe as lean a call as the eager GEMV's: (read, item) where
+    item(tensor) gives the (address, bytes) to keep in a rotation and
+    read(item) one ctypes call on it. runtime.read_probe checks its
+    arguments in Python, which after a cold stream costs 2-9 us more a call
+    than this (results run X7), and would flatter "% stream"."""
+    import ctypes
+
+    import ulbtorch
+
+    probe, out = ulbtorch.runtime._lib.ulb_read_probe_streams, ctypes.c_uint64()
+    ref = ctypes.byref(out)
+    return (lambda it: probe(it[0], it[1], threads, streams, ref),
+            lambda t: (t.data_ptr(), t.numel() * t.element_size()))
+
+
 _READ_KERNELS = {
     # Copy-free reductions: each reads every byte once and writes nothing.
     "int64.sum": lambda t: t.view(torch.int64).sum(),
@@ -268,7 +296,7 @@ def in_hugepages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [arena.tensor(t) for t in tensors]
 
 
-def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = 512 * MiB, reps: int = 5,
+def measure_read_bandwidth(threads: Iterable[int] = (1, 2), size_bytes: int = COLD_MIB * MiB, reps: int = 5,
                            methods: Sequence[str] | None = None, verbose: bool = False,
                            hugepages: bool = False) -> dict[int, dict]:
     """DRAM read bandwidth (GB/s, 1e9 bytes/s) per thread count, in-process.

@@ -184,6 +184,10 @@ def main(argv=None):
     p.add_argument("--no-hugepages", action="store_true",
                    help="quantize_(..., hugepages=False): packed weights left where PyTorch allocates them "
                         "(default: quantize_ moves them into 2 MiB pages; benchmarks/hugepages.py times both)")
+    p.add_argument("--bf16-hugepages", action="store_true",
+                   help="move the bf16 baseline's weights into 2 MiB pages too (move_to_hugepages(plain_linears="
+                        "True)), so that \"x vs bf16\" compares the kernels in the same pages (default: the bf16 "
+                        "model where PyTorch allocates it, as a stock user has it; 4 KiB pages under THP madvise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke test: 1 layer, vocab 32000, 8 tokens, 1 rep")
     p.add_argument("--json", help="write results as JSON here")
@@ -290,6 +294,8 @@ def main(argv=None):
 
     # -- bf16 baseline ----------------------------------------------------------------
     sel = QuantConfig(bits=2, **{k: v for k, v in qcfg_kw.items() if k == "exclude"})
+    if args.bf16_hugepages:
+        print(f"  bf16 baseline: {ulbtorch.hugepages.move_to_hugepages(base, plain_linears=True)}")
     ref_out = run_variant("bf16", base)
     run_compiled("bf16", base)
     prof = {}

@@ -120,7 +120,9 @@ def call_cost_excess(fmt, how, reps):
     buf = torch.zeros(8 * 1024, dtype=torch.uint8)
     call = blob_call(how, x, 64)
     t_op = time_hot(lambda: call(blob), reps)
-    t_probe = time_hot(lambda: ulbtorch.runtime.read_probe(buf, 1), reps)
+    read, item = common.raw_probe(1, 1)
+    buf_item = item(buf)
+    t_probe = time_hot(lambda: read(buf_item), reps)
     return max(0.0, t_op - t_probe)
 
 
@@ -180,7 +182,7 @@ def main(argv=None):
         args.models = args.models or "smollm2-135m"
         args.reps = min(args.reps, 3)
         args.rotate_mib = min(args.rotate_mib, 64)
-        args.min_rotate_mib = min(args.min_rotate_mib, 48)  # still above the 32 MiB L3
+        args.min_rotate_mib = min(args.min_rotate_mib, 48)  # cold only above the L3: quick_note says
         args.bw_mib = min(args.bw_mib, 256)
     models = common.parse_list(args.models) or list(all_models)
     for m in models:
@@ -255,9 +257,9 @@ def main(argv=None):
                         # thread count, as one run per thread or several
                         # (whichever read the big buffer faster): the
                         # roofline for these blobs.
-                        streams = bw[nt]["probe_streams"]
-                        stream = [([m.packed for m in rot.items] if args.module else rot.items,
-                                   lambda b: ulbtorch.runtime.read_probe(b, nt, streams)) for rot in rots.values()]
+                        read, item = common.raw_probe(nt, bw[nt]["probe_streams"])
+                        stream = [([item(m.packed if args.module else m) for m in rot.items], read)
+                                  for rot in rots.values()]
                         samples = []
                         times = common.time_interleaved(
                             [(wb, lambda w: F.linear(xb, w))] + [(rots[f].items, calls[f]) for f in formats] + stream,
@@ -364,7 +366,7 @@ def main(argv=None):
                         print(line)
                         notes.append(line)
     if args.quick:
-        print("(--quick: small rotations and few reps; indicative only)")
+        print(common.quick_note(args.rotate_mib))
     meta = dict(env=env, args=vars(args), read_bw={k: v["gbps"] for k, v in bw.items()})
     common.write_outputs([t for t in (gemv, pre) if t.rows], json_path=args.json, md_path=args.markdown,
                          meta=meta, notes=notes)

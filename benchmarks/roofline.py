@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import MiB  # noqa: E402
-from gemv import OursRotation, check_pool_threads, random_codes_scales, time_hot  # noqa: E402
+from gemv import OursRotation, blob_call, check_pool_threads, random_codes_scales, time_hot  # noqa: E402
 
 import ulbtorch  # noqa: E402
 
@@ -56,29 +56,29 @@ def parse_shape(s: str) -> tuple[int, int]:
     return m, k
 
 
-def measure_gamma(isas, formats, M, K, act_dtype, reps, gen) -> dict:
+def measure_gamma(isas, formats, M, K, act_dtype, reps, gen, how) -> dict:
     """{(isa, fmt): row} of one thread's in-cache throughput.
 
-    gamma_call: bytes of the M x K blob / time of one whole call (the op's
-    fixed per-call cost included). The op also has a fixed cost per call
+    gamma_call: bytes of the M x K blob / time of one whole call (its fixed
+    per-call cost included). The call (`how`, as gemv.blob_call: the cold
+    rows' call, so that "model+ovh" adds back what they pay) has a fixed cost
     (dispatch, activation quantisation, output) that a 256 KiB matrix does not
-    hide, so the same op is timed at M/2, M and 2M rows (all L2-resident) and a
-    line t = ovh + bytes / gamma is fitted: gamma (the kernel's throughput, the
-    seed's B/gamma) is its inverse slope, ovh its intercept.
+    hide, so it is timed at M/2, M and 2M rows (all L2-resident) and a line
+    t = ovh + bytes / gamma is fitted: gamma (the kernel's throughput, the
+    seed's B/gamma) is its inverse slope, ovh its intercept. Each ISA's
+    blobs are packed under it, in the tile order it prefers (1-bit codes take
+    "lanes" tiles under AVX2), as quantize_ would pack them on such a CPU.
     """
     out = {}
     row_counts = sorted({max(64, M // 2), M, 2 * M})
     with common.num_threads(1):
         for fmt in formats:
-            blobs = {}
-            for m in row_counts:
-                codes, scales = random_codes_scales(m, K, fmt, 0, gen)
-                blobs[m] = ulbtorch.ops.pack(codes, scales, fmt)
+            bases = {m: random_codes_scales(m, K, fmt, 0, gen) for m in row_counts}
             x = torch.randn(1, K, generator=gen).to(act_dtype)
             for isa in isas:
                 with ulbtorch.runtime.use_isa(isa):
-                    ts = {m: time_hot(lambda b=b, m=m: torch.ops.ulb.linear(x, b, None, m), reps)
-                          for m, b in blobs.items()}
+                    blobs = {m: ulbtorch.ops.pack(c, s, fmt) for m, (c, s) in bases.items()}
+                    ts = {m: time_hot(lambda b=b, f=blob_call(how, x, m): f(b), reps) for m, b in blobs.items()}
                 xs = [blobs[m].numel() for m in row_counts]
                 ys = [ts[m] for m in row_counts]
                 slope, icpt = _fit_line(xs, ys)
@@ -94,7 +94,7 @@ def measure_gamma(isas, formats, M, K, act_dtype, reps, gen) -> dict:
                                        gcodes_fit=gamma_fit * M * K / nb if fit_ok else float("nan"),
                                        ovh_us=1e6 * icpt if fit_ok else float("nan"),
                                        fit_rows=",".join(map(str, row_counts)), fit_us=[1e6 * y for y in ys])
-            del blobs
+                del blobs
     return out
 
 
@@ -222,7 +222,7 @@ def main(argv=None):
         args.reps = min(args.reps, 3)
         args.gamma_reps = min(args.gamma_reps, 5)
         args.rotate_mib = min(args.rotate_mib, 64)
-        args.min_rotate_mib = min(args.min_rotate_mib, 48)  # still above the 32 MiB L3
+        args.min_rotate_mib = min(args.min_rotate_mib, 48)  # cold only above the L3: quick_note says
         args.bw_mib = min(args.bw_mib, 256)
     models = common.parse_list(args.models)
     for m in models:
@@ -256,7 +256,10 @@ def main(argv=None):
 
     # -- gamma ---------------------------------------------------------------------
     print(f"# measuring in-cache throughput (gamma), {args.gamma_shape}, 1 thread ...")
-    gammas = measure_gamma(isas, formats, gM, gK, act_dtype, args.gamma_reps, gen)
+    # The modules' call (gemv.py's default), or the op where that is not built:
+    # the cold rows' call, and the call whose fixed cost gamma's fit measures.
+    cold_call = "eager" if ulbtorch.runtime.eager_linear is not None else "op"
+    gammas = measure_gamma(isas, formats, gM, gK, act_dtype, args.gamma_reps, gen, cold_call)
     for g in gammas.values():
         use_fit = args.gamma_mode == "fit" and g["gamma_fit"] == g["gamma_fit"]  # not NaN
         g["gamma"] = g["gamma_fit"] if use_fit else g["gamma_call"]
@@ -290,8 +293,6 @@ def main(argv=None):
             ("pct_beta", "% beta", ".0f"), ("pct_model", "% model", ".0f"), ("pct_model_ovh", "% model+ovh", ".0f")]
     widths = dict(model=max(map(len, models)), shape=11, rot=13, format=8, threads=3)
     cold = common.Table(cols, title=f"Cold GEMV N=1 (ISA {cold_isa}): measured vs modelled vs beta", min_widths=widths)
-    # The modules' call (gemv.py's default), or the op where that is not built.
-    cold_call = "eager" if ulbtorch.runtime.eager_linear is not None else "op"
     prev_threads = torch.get_num_threads()
     try:
         for model in models:
@@ -345,7 +346,7 @@ def main(argv=None):
             print(line)
             notes.append(line)
     if args.quick:
-        print("(--quick: small rotations and few reps; indicative only)")
+        print(common.quick_note(args.rotate_mib))
 
     if args.png:
         plot(args.png, cold.rows, threads, formats, bw, gammas, cold_isa,

@@ -296,7 +296,7 @@ def main(argv=None):
     for n in notes:
         print(f"- {n}")
     if args.quick:
-        print("(--quick: few calls and a small rotation; indicative only)")
+        print(common.quick_note(args.rotate_mib, "few calls and a small rotation"))
     meta = dict(env=env, args=vars(args), blob_bytes=rot.blob_bytes, rotation=len(items))
     common.write_outputs([summary] + traces, json_path=args.json, md_path=args.markdown, meta=meta, notes=notes)
 
