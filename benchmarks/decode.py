@@ -306,6 +306,8 @@ def main(argv=None):
         prof["bf16"] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
     if args.bf16_gemv:  # the bf16 model itself with every linear layer on ulbtorch's bf16 GEMV
         gm = ulbtorch.bf16_gemv_(copy.deepcopy(base))
+        if args.bf16_hugepages:  # the deep copy is in ordinary pages again
+            ulbtorch.hugepages.move_to_hugepages(gm)
         run_variant("bf16 +bf16 gemv", gm)
         del gm
         gc.collect()
