@@ -274,6 +274,21 @@ def raw_probe(threads: int, streams: int) -> tuple[Callable[[tuple[int, int]], A
             lambda t: (t.data_ptr(), t.numel() * t.element_size()))
 
 
+BETA_SLICE = 64 * MiB  # a beta sample: one probe call, long enough that its call cost does not count
+
+
+def beta_slices(size_mib: int, hugepages: bool = False) -> list[torch.Tensor]:
+    """BETA_SLICE-byte slices of a fresh size_mib buffer (in 2 MiB pages with
+    hugepages): read one a round, in turn, beside the candidates of
+    time_interleaved, they give the read bandwidth of the same moments; DRAM
+    speed drifted ~10% between runs of one hour on the Xeon VM, which moved
+    every percentage of a beta measured once at the start."""
+    big = torch.ones(max(size_mib * MiB, BETA_SLICE), dtype=torch.uint8)
+    if hugepages:
+        big = in_hugepages([big])[0]
+    return [big[o:o + BETA_SLICE] for o in range(0, big.numel() - BETA_SLICE + 1, BETA_SLICE)]
+
+
 _READ_KERNELS = {
     # Copy-free reductions: each reads every byte once and writes nothing.
     "int64.sum": lambda t: t.view(torch.int64).sum(),

@@ -99,9 +99,6 @@ def bf16_rotation(M, K, rotate_bytes, min_bytes, gen, hugepages=False):
     return common.in_hugepages(items) if hugepages else items
 
 
-BIG_READ_SLICE = 64 * MiB  # a beta sample: one probe call, long enough that its call cost does not count
-
-
 def time_hot(fn, reps):
     est = common.median_time(fn, reps=3, warmup=3)
     return common.median_time(fn, reps=reps, warmup=2, inner=common.calls_per_sample(est))
@@ -215,10 +212,7 @@ def main(argv=None):
         print("# measuring DRAM read bandwidth ...")
         bw = common.measure_read_bandwidth(threads, size_bytes=args.bw_mib * MiB, reps=3 if args.quick else 5,
                                            verbose=True, hugepages=args.hugepages)
-        big = torch.ones(args.bw_mib * MiB, dtype=torch.uint8)
-        if args.hugepages:
-            big = common.in_hugepages([big])[0]
-        big_read = [big[o:o + BIG_READ_SLICE] for o in range(0, big.numel() - BIG_READ_SLICE + 1, BIG_READ_SLICE)]
+        big_read = common.beta_slices(args.bw_mib, args.hugepages)
     gen = torch.Generator().manual_seed(0)
     call_excess = {}  # format -> seconds an op call costs beyond a probe call (call_cost_excess)
     prev_threads = torch.get_num_threads()
@@ -268,8 +262,7 @@ def main(argv=None):
                         read, item = common.raw_probe(nt, bw[nt]["probe_streams"])
                         stream = [([item(m.packed if args.module else m) for m in rot.items], read)
                                   for rot in rots.values()]
-                        # beta in the same rounds: DRAM speed drifts by 10% between runs
-                        # here, so a beta taken once at the start skews "% read BW".
+                        # beta in the same rounds (common.beta_slices)
                         stream.append(([item(b) for b in big_read], read))
                         samples = []
                         times = common.time_interleaved(
@@ -277,7 +270,7 @@ def main(argv=None):
                             reps=args.reps, samples_out=samples)
                         t_bf16, t_ours, t_stream = times[0], times[1:1 + len(formats)], times[1 + len(formats):-1]
                         s_ours, s_stream, s_big = samples[1:1 + len(formats)], samples[1 + len(formats):-1], samples[-1]
-                        read_bw = BIG_READ_SLICE / times[-1] / 1e9
+                        read_bw = common.BETA_SLICE / times[-1] / 1e9
                         bf16_us = 1e6 * t_bf16
                         for f in formats:
                             if not args.module and f not in call_excess:
@@ -295,7 +288,7 @@ def main(argv=None):
                                        rot_count=rot.count, blob_bytes=rot.blob_bytes,
                                        rot_mib=rot.total_bytes / MiB, bf16_rot_mib=bf16_rot_mib,
                                        us=us, us_bf16=bf16_us, gbps=gbps,
-                                       pct_bw=100 * rot.blob_bytes / BIG_READ_SLICE * common.median_ratio(s_big, so),
+                                       pct_bw=100 * rot.blob_bytes / common.BETA_SLICE * common.median_ratio(s_big, so),
                                        read_bw=read_bw,
                                        gbps_stream=rot.blob_bytes / ts / 1e9,
                                        pct_stream=100 * common.median_ratio(ss, so),

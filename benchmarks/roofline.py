@@ -294,6 +294,8 @@ def main(argv=None):
     widths = dict(model=max(map(len, models)), shape=11, rot=13, format=8, threads=3)
     cold = common.Table(cols, title=f"Cold GEMV N=1 (ISA {cold_isa}): measured vs modelled vs beta", min_widths=widths)
     prev_threads = torch.get_num_threads()
+    beta_bufs = common.beta_slices(args.bw_mib, args.hugepages)  # kept: the items below are their addresses
+    beta_items = [common.raw_probe(1, 1)[1](b) for b in beta_bufs]
     try:
         for model in models:
             for M, K in all_models[model]:
@@ -303,10 +305,15 @@ def main(argv=None):
                     call = rot.call(x, cold_call)
                     for nt in threads:
                         torch.set_num_threads(nt)
-                        t = common.time_rotating(rot.items, call, reps=args.reps)
+                        read, item = common.raw_probe(nt, bw[nt]["probe_streams"])
+                        samples = []
+                        t, t_beta = common.time_interleaved([(rot.items, call), (beta_items, read)],
+                                                            reps=args.reps, samples_out=samples)
                         check_pool_threads(fmt, nt)
                         gbps = rot.blob_bytes / t / 1e9
-                        beta = bw[nt]["gbps"]
+                        # beta of the same rounds (common.beta_slices); the model's memory term too
+                        beta = common.BETA_SLICE / t_beta / 1e9
+                        pct_beta = 100 * rot.blob_bytes / common.BETA_SLICE * common.median_ratio(*samples[::-1])
                         g = gammas[(cold_isa, fmt)]
                         mod, bind = model_bw(beta, g["gamma"], nt)
                         ovh = g["ovh_us"] * 1e-6 if g["gamma_src"] == "fit" else 0.0
@@ -314,7 +321,7 @@ def main(argv=None):
                         cold.add(dict(model=model, shape=f"{M}x{K}", M=M, K=K, threads=nt, format=fmt,
                                       rot=f"{rot.count}x{rot.blob_bytes / MiB:.2f}M", rot_count=rot.count,
                                       blob_bytes=rot.blob_bytes, us=1e6 * t, gbps=gbps, model_gbps=mod,
-                                      model_ovh_gbps=mod_ovh, bound=bind, beta=beta, pct_beta=100 * gbps / beta,
+                                      model_ovh_gbps=mod_ovh, bound=bind, beta=beta, pct_beta=pct_beta,
                                       pct_model=100 * gbps / mod, pct_model_ovh=100 * gbps / mod_ovh,
                                       isa=cold_isa), echo=True)
                     del rot, call
@@ -326,7 +333,10 @@ def main(argv=None):
     notes = []
     print("\n## Summary (measured in this run)")
     for nt in threads:
-        line = f"beta {nt} thread(s): {bw[nt]['gbps']:.1f} GB/s ({bw[nt]['method']})"
+        inter = [r["beta"] for r in cold.rows if r["threads"] == nt]
+        line = (f"beta {nt} thread(s): {bw[nt]['gbps']:.1f} GB/s at the start ({bw[nt]['method']})" +
+                (f"; read in turn with the shapes (what % beta and the model use): median "
+                 f"{statistics.median(inter):.1f}, {min(inter):.1f}-{max(inter):.1f}" if inter else ""))
         print(line)
         notes.append(line)
     for fmt in formats:
