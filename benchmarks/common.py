@@ -258,20 +258,23 @@ def _probe(streams: int):
     return read
 
 
-def raw_probe(threads: int, streams: int) -> tuple[Callable[[tuple[int, int]], Any], Callable[[torch.Tensor], tuple]]:
-    """The read probe as lean a call as the eager GEMV's: (read, item) where
-    item(tensor) gives the (address, bytes) to keep in a rotation and
-    read(item) one ctypes call on it. runtime.read_probe checks its
-    arguments in Python, which after a cold stream costs 2-9 us more a call
-    than this (results run X7), and would flatter "% stream"."""
+def probe_item(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of a contiguous tensor: what raw_probe reads."""
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def raw_probe(threads: int, streams: int) -> Callable[[tuple[int, int]], Any]:
+    """The read probe as lean a call as the eager GEMV's: read(item), one
+    ctypes call on a probe_item. runtime.read_probe checks its arguments in
+    Python, which after a cold stream costs 2-9 us more a call than this
+    (results run X7), and would flatter "% stream"."""
     import ctypes
 
     import ulbtorch
 
     probe, out = ulbtorch.runtime._lib.ulb_read_probe_streams, ctypes.c_uint64()
     ref = ctypes.byref(out)
-    return (lambda it: probe(it[0], it[1], threads, streams, ref),
-            lambda t: (t.data_ptr(), t.numel() * t.element_size()))
+    return lambda it: probe(it[0], it[1], threads, streams, ref)
 
 
 BETA_SLICE = 64 * MiB  # a beta sample: one probe call, long enough that its call cost does not count
@@ -287,6 +290,20 @@ def beta_slices(size_mib: int, hugepages: bool = False) -> list[torch.Tensor]:
     if hugepages:
         big = in_hugepages([big])[0]
     return [big[o:o + BETA_SLICE] for o in range(0, big.numel() - BETA_SLICE + 1, BETA_SLICE)]
+
+
+def pct_of_beta(blob_bytes: int, beta_samples: Sequence[float], samples: Sequence[float]) -> float:
+    """% of the read bandwidth of the same rounds: median over rounds of
+    (blob_bytes / samples[r]) / (BETA_SLICE / beta_samples[r])."""
+    return 100 * blob_bytes / BETA_SLICE * median_ratio(beta_samples, samples)
+
+
+def in_round_beta_note(values: Sequence[float]) -> str:
+    """The summary's words for the betas read in turn with the shapes."""
+    if not values:
+        return ""
+    return (f"; read in turn with the shapes (what the percentages divide by): median "
+            f"{statistics.median(values):.1f}, {min(values):.1f}-{max(values):.1f}")
 
 
 _READ_KERNELS = {

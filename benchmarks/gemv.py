@@ -120,8 +120,7 @@ def call_cost_excess(fmt, how, reps):
     buf = torch.zeros(8 * 1024, dtype=torch.uint8)
     call = blob_call(how, x, 64)
     t_op = time_hot(lambda: call(blob), reps)
-    read, item = common.raw_probe(1, 1)
-    buf_item = item(buf)
+    read, buf_item = common.raw_probe(1, 1), common.probe_item(buf)
     t_probe = time_hot(lambda: read(buf_item), reps)
     return max(0.0, t_op - t_probe)
 
@@ -259,11 +258,11 @@ def main(argv=None):
                         # thread count, as one run per thread or several
                         # (whichever read the big buffer faster): the
                         # roofline for these blobs.
-                        read, item = common.raw_probe(nt, bw[nt]["probe_streams"])
-                        stream = [([item(m.packed if args.module else m) for m in rot.items], read)
+                        read = common.raw_probe(nt, bw[nt]["probe_streams"])
+                        stream = [([common.probe_item(m.packed if args.module else m) for m in rot.items], read)
                                   for rot in rots.values()]
                         # beta in the same rounds (common.beta_slices)
-                        stream.append(([item(b) for b in big_read], read))
+                        stream.append(([common.probe_item(b) for b in big_read], read))
                         samples = []
                         times = common.time_interleaved(
                             [(wb, lambda w: F.linear(xb, w))] + [(rots[f].items, calls[f]) for f in formats] + stream,
@@ -288,7 +287,7 @@ def main(argv=None):
                                        rot_count=rot.count, blob_bytes=rot.blob_bytes,
                                        rot_mib=rot.total_bytes / MiB, bf16_rot_mib=bf16_rot_mib,
                                        us=us, us_bf16=bf16_us, gbps=gbps,
-                                       pct_bw=100 * rot.blob_bytes / common.BETA_SLICE * common.median_ratio(s_big, so),
+                                       pct_bw=common.pct_of_beta(rot.blob_bytes, s_big, so),
                                        read_bw=read_bw,
                                        gbps_stream=rot.blob_bytes / ts / 1e9,
                                        pct_stream=100 * common.median_ratio(ss, so),
@@ -339,10 +338,8 @@ def main(argv=None):
     notes = []
     print("\n## Summary (ratios measured in this run)")
     for nt in bw:
-        inter = [r["read_bw"] for r in gemv.rows if r["threads"] == nt]
         print(f"read bandwidth {nt} thread(s): {bw[nt]['gbps']:.1f} GB/s at the start ({bw[nt]['method']})" +
-              (f"; read in turn with the shapes (what % read BW divides by): median {statistics.median(inter):.1f}, "
-               f"{min(inter):.1f}-{max(inter):.1f}" if inter else ""))
+              common.in_round_beta_note([r["read_bw"] for r in gemv.rows if r["threads"] == nt]))
     if gemv.rows:
         for fmt in formats:
             for nt in threads:

@@ -127,7 +127,8 @@ def main(argv=None):
     p.add_argument("--decode-reps", type=int, default=6, help="decode: generate() runs per placement")
     p.add_argument("--no-decode", action="store_true")
     p.add_argument("--no-gemv", action="store_true")
-    p.add_argument("--quick", action="store_true", help="smoke test: the falcon3-1b shapes, 2-bit, 2 threads, 1-layer model, few runs")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: the falcon3-1b shapes, 2-bit, 2 threads, 1-layer model, few runs")
     p.add_argument("--markdown", help="write the tables as markdown here")
     args = p.parse_args(argv)
     if args.quick:

@@ -62,7 +62,6 @@ def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
     blobs = common.replicate([blob], common.cold_rotation(blob.numel()))
     ptrs = [b.data_ptr() for b in blobs]
     nbytes, xp, yp = blob.numel(), x.data_ptr(), y.data_ptr()
-    checksum = ctypes.c_uint64()
     op = torch.ops.ulb.linear.default
     eager = ulbtorch.runtime.eager_linear
     if eager is None:
@@ -81,11 +80,9 @@ def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
     torch.testing.assert_close(y, expect, rtol=0, atol=0)  # the paths compute the same thing
     assert torch.equal(eager(x, blob, None, M), expect) and torch.equal(module(x), expect)
     samples: list[list[float]] = []
-    def probe(p):
-        return _lib.ulb_read_probe_streams(p, nbytes, threads, streams, ctypes.byref(checksum))
-
+    probe, probe_items = common.raw_probe(threads, streams), [common.probe_item(b) for b in blobs]
     t = common.time_interleaved([(blobs, lambda b: op(x, b, None, M)), (blobs, lambda b: eager(x, b, None, M)),
-                                 (ptrs, c_linear), (ptrs, probe),
+                                 (ptrs, c_linear), (probe_items, probe),
                                  (modules, lambda m: m(x)), (modules, lambda m: nn.Module.__call__(m, x))],
                                 reps=reps, samples_out=samples)
     pct = [100 * common.median_ratio(samples[3], samples[i]) for i in range(3)]
@@ -98,7 +95,7 @@ def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
         return line + "            -             -               -              -"
     op_in, op_out = split_call(blobs, lambda b: op(x, b, None, M), 2)
     ea_in, ea_out = split_call(blobs, lambda b: eager(x, b, None, M), 2)
-    pr_in, pr_out = split_call(ptrs, probe, 0)
+    pr_in, pr_out = split_call(probe_items, probe, 0)
     return line + f"  {op_in:9.1f}  {pr_in:12.1f}  {op_out:10.1f}  {ea_out:13.1f}  {pr_out:13.1f}"
 
 

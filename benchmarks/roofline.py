@@ -113,7 +113,7 @@ def model_bw(beta: float, gamma: float, nt: int) -> tuple[float, str]:
     return (beta, "beta") if beta <= c else (c, "gamma")
 
 
-def plot(path, rows, threads, formats, bw, gammas, isa, title_extra=""):
+def plot(path, rows, threads, formats, beta_gbps, gammas, isa, title_extra=""):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -131,9 +131,9 @@ def plot(path, rows, threads, formats, bw, gammas, isa, title_extra=""):
     fig, axes = plt.subplots(len(threads), 1, figsize=(max(9, 0.9 * len(shapes) + 6), 4.4 * len(threads)),
                              squeeze=False)
     width = 0.8 / max(1, len(formats))
-    ymax = max([bw[nt]["gbps"] for nt in threads] + [r["gbps"] for r in rows]) * 1.12
+    ymax = max([beta_gbps[nt] for nt in threads] + [r["gbps"] for r in rows]) * 1.12
     for ax, nt in zip(axes[:, 0], threads):
-        beta = bw[nt]["gbps"]
+        beta = beta_gbps[nt]
         ax.axhline(beta, color="black", lw=2.5, label=f"β read BW, {nt} thr = {beta:.1f}", zorder=2)
         for j, fmt in enumerate(formats):
             xs, ys = [], []
@@ -295,7 +295,7 @@ def main(argv=None):
     cold = common.Table(cols, title=f"Cold GEMV N=1 (ISA {cold_isa}): measured vs modelled vs beta", min_widths=widths)
     prev_threads = torch.get_num_threads()
     beta_bufs = common.beta_slices(args.bw_mib, args.hugepages)  # kept: the items below are their addresses
-    beta_items = [common.raw_probe(1, 1)[1](b) for b in beta_bufs]
+    beta_items = [common.probe_item(b) for b in beta_bufs]
     try:
         for model in models:
             for M, K in all_models[model]:
@@ -305,7 +305,7 @@ def main(argv=None):
                     call = rot.call(x, cold_call)
                     for nt in threads:
                         torch.set_num_threads(nt)
-                        read, item = common.raw_probe(nt, bw[nt]["probe_streams"])
+                        read = common.raw_probe(nt, bw[nt]["probe_streams"])
                         samples = []
                         t, t_beta = common.time_interleaved([(rot.items, call), (beta_items, read)],
                                                             reps=args.reps, samples_out=samples)
@@ -313,7 +313,7 @@ def main(argv=None):
                         gbps = rot.blob_bytes / t / 1e9
                         # beta of the same rounds (common.beta_slices); the model's memory term too
                         beta = common.BETA_SLICE / t_beta / 1e9
-                        pct_beta = 100 * rot.blob_bytes / common.BETA_SLICE * common.median_ratio(*samples[::-1])
+                        pct_beta = common.pct_of_beta(rot.blob_bytes, samples[1], samples[0])
                         g = gammas[(cold_isa, fmt)]
                         mod, bind = model_bw(beta, g["gamma"], nt)
                         ovh = g["ovh_us"] * 1e-6 if g["gamma_src"] == "fit" else 0.0
@@ -332,11 +332,11 @@ def main(argv=None):
     # -- summary -------------------------------------------------------------------
     notes = []
     print("\n## Summary (measured in this run)")
+    # The betas of the rounds, which % beta and the model used; the picture's beta line.
+    in_rounds = {nt: [r["beta"] for r in cold.rows if r["threads"] == nt] for nt in threads}
     for nt in threads:
-        inter = [r["beta"] for r in cold.rows if r["threads"] == nt]
         line = (f"beta {nt} thread(s): {bw[nt]['gbps']:.1f} GB/s at the start ({bw[nt]['method']})" +
-                (f"; read in turn with the shapes (what % beta and the model use): median "
-                 f"{statistics.median(inter):.1f}, {min(inter):.1f}-{max(inter):.1f}" if inter else ""))
+                common.in_round_beta_note(in_rounds[nt]))
         print(line)
         notes.append(line)
     for fmt in formats:
@@ -346,7 +346,8 @@ def main(argv=None):
                 continue
             g = gammas[(cold_isa, fmt)]
             line = (f"{fmt:8s} {nt} thr: gamma({cold_isa}) {g['gamma']:.1f} GB/s/thread, model "
-                    f"{rs[0]['model_gbps']:.1f} GB/s ({'memory' if rs[0]['bound'] == 'beta' else 'compute'}-bound); "
+                    f"{statistics.median(r['model_gbps'] for r in rs):.1f} GB/s (median; "
+                    f"{'memory' if rs[0]['bound'] == 'beta' else 'compute'}-bound); "
                     f"cold median {statistics.median(r['gbps'] for r in rs):.1f} GB/s = "
                     f"{statistics.median(r['pct_beta'] for r in rs):.0f}% of beta, "
                     f"{statistics.median(r['pct_model'] for r in rs):.0f}% of model "
@@ -359,7 +360,8 @@ def main(argv=None):
         print(common.quick_note(args.rotate_mib))
 
     if args.png:
-        plot(args.png, cold.rows, threads, formats, bw, gammas, cold_isa,
+        plot(args.png, cold.rows, threads, formats, {nt: statistics.median(v) for nt, v in in_rounds.items() if v},
+             gammas, cold_isa,
              (" (--quick)" if args.quick else "") + (", 2 MiB pages" if args.hugepages else ""))
     meta = dict(env=env, args=vars(args), read_bw={k: v["gbps"] for k, v in bw.items()}, cold_isa=cold_isa)
     common.write_outputs([gtab, cold], json_path=args.json, md_path=args.markdown, meta=meta, notes=notes)

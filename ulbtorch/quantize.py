@@ -177,9 +177,10 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     targets = config.targets(model)
     if not targets:
         plain = len(linear_layers(model, lambda n: True))
-        warnings.warn(f"quantize_: no layer converted: the model has {plain} plain nn.Linear (or LinearBF16) layers and "
-                      f"include={config.include} / exclude={config.exclude} select none of them (layers of other "
-                      "types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)", stacklevel=2)
+        warnings.warn(f"quantize_: no layer converted: the model has {plain} plain nn.Linear (or LinearBF16) "
+                      f"layers and include={config.include} / exclude={config.exclude} select none of them (layers "
+                      "of other types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)",
+                      stacklevel=2)
     names = module_names(model)
     float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
     packed_bytes = 0

@@ -18,7 +18,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
 from ..nn.replace import name_selected, patterns
-from ..quantize import LM_HEAD, QuantConfig, quantize_
+from ..quantize import LM_HEAD, QuantConfig, linear_layers, quantize_
 from ..runtime import _check_bool
 from ..serialization import retile_for_this_cpu
 
@@ -124,16 +124,15 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
     """config as a UlbConfig (its include patterns turned into the names of
     the float layers they leave out), or None where the model's output
     embedding is a quantized layer tied to its input embedding."""
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = getattr(model, "get_output_embeddings", lambda: None)()
     if getattr(model.config, "tie_word_embeddings", False) and isinstance(out, LowBitLinear):
         return None
     exclude = list(config.exclude)
     if config.include != ["*"]:
         head = config.head_config()
-        exclude += sorted(n for n, m in model.named_modules()
-                          if type(m) in (nn.Linear, LinearBF16) and not config.selects(n)
-                          and not name_selected(n, config.exclude, [])  # named by a pattern already
-                          and not (head is not None and (m is out or head.selects(n))))
+        left = linear_layers(model, lambda n: not config.selects(n)
+                             and not name_selected(n, config.exclude, []))  # not named by a pattern already
+        exclude += sorted(n for n, m in left if not (head is not None and (m is out or head.selects(n))))
     return UlbConfig(bits=config.bits, format=config.format, group_size=config.group_size,
                      granularity=config.granularity, method=config.method, modules_to_not_convert=exclude,
                      bf16_gemv=config.bf16_gemv, lm_head_bits=config.lm_head_bits,
@@ -145,7 +144,7 @@ def _describes(model, config: QuantConfig) -> bool:
     gives every linear layer the format and group size it has now (plain
     nn.Linear and LinearBF16 alike are float)."""
     head_cfg = config.head_config()
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = getattr(model, "get_output_embeddings", lambda: None)()
     for name, m in model.named_modules():
         if type(m) in (nn.Linear, LinearBF16):
             have = None
