@@ -78,6 +78,18 @@ def test_quantize_with_include_patterns_saves_through_transformers(float_dir, tm
     _reloads_bit_exact(model, tmp_path)
 
 
+@pytest.mark.parametrize("kwargs", [dict(include=["*.mlp.*"]), dict(include=["layers.1.*"]), dict(exclude=[])])
+def test_quantize_of_the_base_model_saves_through_the_head_model(float_dir, tmp_path, kwargs):
+    """quantize_(model.model, ...) records its config in the config the head
+    model shares; the head model saves its layers as "model.layers...", so
+    names relative to model.model must match there too (they once named
+    layers that do not exist, and the checkpoint failed to load)."""
+    model = AutoModelForCausalLM.from_pretrained(float_dir)
+    ulbtorch.quantize_(model.model, bits=2, **kwargs)
+    assert isinstance(model.model.layers[1].mlp.up_proj, Linear2Bit)
+    _reloads_bit_exact(model, tmp_path)
+
+
 def test_quantize_converting_nothing_records_nothing(float_dir):
     model = AutoModelForCausalLM.from_pretrained(float_dir)
     with pytest.warns(UserWarning, match="no layer converted"):

@@ -94,7 +94,8 @@ def record_quant_config(model, config: QuantConfig) -> None:
     save_pretrained writes a checkpoint that from_pretrained loads packed
     (without it, from_pretrained builds nn.Linear layers and leaves their
     weights random). Include patterns become the exact names of the layers
-    they leave out. A second quantize_ that converts nothing keeps the config
+    they leave out (for a base model such as model.model, also as "*.name",
+    which its head model's names match). A second quantize_ that converts nothing keeps the config
     of the first; one that leaves the model in formats no single UlbConfig
     says (two main formats, or a quantized lm_head tied to the input
     embedding, which transformers cannot save packed) drops a ulb config
@@ -128,11 +129,18 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
     if getattr(model.config, "tie_word_embeddings", False) and isinstance(out, LowBitLinear):
         return None
     exclude = list(config.exclude)
+    # A base model (LlamaModel) may be the `model` of a head model that shares
+    # its config and saves it with a prefix: its exact names are recorded also
+    # as "*.name", and the head model's lm_head, which it cannot see, as float.
+    inner = getattr(model, "base_model", None) is model
+    if inner:
+        exclude += [p for p in LM_HEAD if p not in exclude]
     if config.include != ["*"]:
         head = config.head_config()
         left = linear_layers(model, lambda n: not config.selects(n)
                              and not name_selected(n, config.exclude, []))  # not named by a pattern already
-        exclude += sorted(n for n, m in left if not (head is not None and (m is out or head.selects(n))))
+        for n in sorted(n for n, m in left if not (head is not None and (m is out or head.selects(n)))):
+            exclude += [n, f"*.{n}"] if inner else [n]
     return UlbConfig(bits=config.bits, format=config.format, group_size=config.group_size,
                      granularity=config.granularity, method=config.method, modules_to_not_convert=exclude,
                      bf16_gemv=config.bf16_gemv, lm_head_bits=config.lm_head_bits,
