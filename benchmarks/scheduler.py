@@ -13,8 +13,9 @@ unless --hot) on 2 threads, timed call by call in one process:
   competitor           (--competitor) no knob; a busy pure-Python process
                        pinned to CPU 1 shares that core with pool thread 1
 
-Each scenario prints the median time per call of static and dynamic and the
-gain static/dynamic.
+Each scenario times static and dynamic in alternating blocks of calls (the
+DRAM speed of a VM drifts within minutes) and prints the median time per call
+of each and the gain static/dynamic.
 
   python benchmarks/scheduler.py --quick                      # smoke test (seconds)
   python benchmarks/scheduler.py                              # slowdown 2.0, 60 timed calls per mode
@@ -134,33 +135,58 @@ class Runner:
         return runtime.scheduler_stats(self.bits)
 
 
-def run_mode(r: Runner, *, static: bool, slowdown: float, calls: int, warmup: int, trace: int) -> dict:
-    """Times `calls` calls with the given split, after `trace` traced calls
-    (dynamic: straight after scheduler_reset()) and `warmup` untimed ones."""
-    runtime.set_thread_slowdown(1, slowdown)
-    runtime.scheduler_static(static)
-    if not static:
-        runtime.scheduler_reset()
-    rows = []
-    for i in range(trace):
-        t = r.call()
-        st = r.stats()
-        two = st["nthreads"] >= 2  # else the pool ran one thread (warned above)
-        rows.append(dict(call=i, panels0=st["last_panels"][0] if st["nthreads"] else None,
-                         panels1=st["last_panels"][1] if two else None,
-                         us0=st["last_us"][0] if st["nthreads"] else None, us1=st["last_us"][1] if two else None,
-                         wall_us=1e6 * t, ratio0=st["ratio"][0] if st["nthreads"] else None,
-                         ratio1=st["ratio"][1] if two else None))
-    for _ in range(warmup):
-        r.call()
-    ts = [r.call() for _ in range(calls)]
-    st = r.stats()
+def _trace_row(i: int, t: float, st: dict) -> dict:
+    one, two = st["nthreads"] >= 1, st["nthreads"] >= 2  # else the pool ran one thread (warned in main)
+    return dict(call=i, panels0=st["last_panels"][0] if one else None, panels1=st["last_panels"][1] if two else None,
+                us0=st["last_us"][0] if one else None, us1=st["last_us"][1] if two else None, wall_us=1e6 * t,
+                ratio0=st["ratio"][0] if one else None, ratio1=st["ratio"][1] if two else None)
+
+
+def _summary(ts: list[float], st: dict | None) -> dict:
     q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
-    return dict(trace=rows, median_us=1e6 * statistics.median(ts), mean_us=1e6 * statistics.fmean(ts),
-                p10_us=1e6 * q[0], p90_us=1e6 * q[-1],
-                ratio0=st["ratio"][0] if st["nthreads"] >= 2 else float("nan"),
-                ratio1=st["ratio"][1] if st["nthreads"] >= 2 else float("nan"),
-                panels1=st["last_panels"][1] if st["nthreads"] >= 2 else None, nthreads=st["nthreads"])
+    two = st is not None and st["nthreads"] >= 2
+    return dict(median_us=1e6 * statistics.median(ts), mean_us=1e6 * statistics.fmean(ts), p10_us=1e6 * q[0],
+                p90_us=1e6 * q[-1], ratio1=st["ratio"][1] if two else float("nan"),
+                panels1=st["last_panels"][1] if two else None)
+
+
+def run_scenario(r: Runner, *, slowdown: float, calls: int, warmup: int, trace: int, block: int) -> dict:
+    """Static and dynamic split on the same rotation, interleaved: `trace`
+    dynamic calls straight after scheduler_reset() (traced), `warmup` untimed
+    calls of each, then blocks of `block` calls of each in turn (the order
+    swapped every round), `calls` timed calls per split in all, so that both
+    see the same minutes of DRAM speed. A static call leaves the dynamic
+    table alone, so the dynamic blocks carry on from where they stopped.
+    gain_rounds: median over rounds of static / dynamic block medians."""
+    runtime.set_thread_slowdown(1, slowdown)
+    runtime.scheduler_static(False)
+    runtime.scheduler_reset()
+    rows = [_trace_row(i, r.call(), r.stats()) for i in range(trace)]
+    ts = {"static": [], "dynamic": []}
+    last = {}
+    gains = []
+    for split in ("static", "dynamic"):
+        runtime.scheduler_static(split == "static")
+        for _ in range(warmup):
+            r.call()
+    rnd = 0
+    while len(ts["dynamic"]) < calls:
+        n = min(block, calls - len(ts["dynamic"]))
+        med = {}
+        for split in (("static", "dynamic") if rnd % 2 == 0 else ("dynamic", "static")):
+            runtime.scheduler_static(split == "static")
+            got = [r.call() for _ in range(n)]
+            ts[split] += got
+            med[split] = statistics.median(got)
+            last[split] = r.stats()
+        gains.append(med["static"] / med["dynamic"])
+        rnd += 1
+    runtime.scheduler_static(False)
+    res = {split: _summary(ts[split], last[split] if split == "dynamic" else None) for split in ts}
+    res["dynamic"]["trace"] = rows
+    res["dynamic"]["gain_rounds"] = statistics.median(gains)
+    res["static"]["panels1"] = last["static"]["last_panels"][1] if last["static"]["nthreads"] >= 2 else None
+    return res
 
 
 def main(argv=None):
@@ -171,6 +197,8 @@ def main(argv=None):
                    help="factor of the knob on pool thread 1 (default 2.0; 1 skips the knob scenario)")
     p.add_argument("--calls", type=int, default=60, help="timed calls per mode (median; default 60)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per mode after the trace (default 10)")
+    p.add_argument("--block", type=int, default=5,
+                   help="calls of one split before the other takes its turn (default 5)")
     p.add_argument("--trace", type=int, default=10, help="calls of the dynamic table printed after reset (default 10)")
     p.add_argument("--hot", action="store_true",
                    help="one matrix over and over (L3-resident) instead of a cold rotation")
@@ -194,6 +222,8 @@ def main(argv=None):
         args.min_rotate_mib = min(args.min_rotate_mib, 48)
     if args.slowdown < 1.0:
         common.die("--slowdown must be >= 1")
+    if args.block < 1 or args.calls < 1:
+        common.die("--block and --calls must be >= 1")
     fmt = common.parse_formats(args.format)[0]
     bits = common.FORMAT_BITS[fmt]  # the scheduler table of that kernel family
     try:
@@ -216,7 +246,8 @@ def main(argv=None):
              f"cold: rotation of {len(items)} x {rot.blob_bytes / MiB:.2f} MiB = "
              f"{len(items) * rot.blob_bytes / MiB:.0f} MiB")
     print(f"# {fmt} {M}x{K}, N=1, bf16 activations, {NTHREADS} threads, {where}; "
-          f"{args.calls} timed calls per mode after {args.warmup} warmup, ISA {runtime.get_isa()}")
+          f"{args.calls} timed calls per mode after {args.warmup} warmup, in alternating blocks of {args.block}, "
+          f"ISA {runtime.get_isa()}")
 
     scenarios = []
     if not args.no_baseline:
@@ -230,7 +261,8 @@ def main(argv=None):
                             ("median_us", "median us", ".1f"), ("p10_us", "p10 us", ".1f"),
                             ("p90_us", "p90 us", ".1f"), ("mean_us", "mean us", ".1f"), ("gbps", "GB/s", ".1f"),
                             ("panels1", "panels t1", None), ("ratio1", "ratio[1]", ".3f"),
-                            ("gain", "gain (median)", ".2f"), ("gain_mean", "gain (mean)", ".2f")],
+                            ("gain", "gain (median)", ".2f"), ("gain_mean", "gain (mean)", ".2f"),
+                            ("gain_rounds", "gain (rounds)", ".2f")],
                            title="Static equal split vs dynamic split (median per call)",
                            min_widths=dict(scenario=32))
     traces = []
@@ -245,15 +277,13 @@ def main(argv=None):
         if r.stats()["nthreads"] != NTHREADS:
             print(f"WARNING: the ulb pool ran {r.stats()['nthreads']} thread(s), not {NTHREADS}")
         for name, slow, competitor in scenarios:
-            res = {}
             comp = Competitor(1, pin_pool=not args.no_pin_pool) if competitor else None
             try:
                 if comp:
                     comp.__enter__()
                     print(f"# {name}: {comp.note}")
-                for split in ("static", "dynamic"):
-                    res[split] = run_mode(r, static=split == "static", slowdown=slow, calls=args.calls,
-                                          warmup=args.warmup, trace=args.trace if split == "dynamic" else 0)
+                res = run_scenario(r, slowdown=slow, calls=args.calls, warmup=args.warmup, trace=args.trace,
+                                   block=args.block)
             finally:
                 runtime.set_thread_slowdown(1, 1.0)
                 if comp:
@@ -277,7 +307,8 @@ def main(argv=None):
                                  gbps=rot.blob_bytes / (m["median_us"] * 1e-6) / 1e9,
                                  ratio1=m["ratio1"] if dyn else None, panels1=m["panels1"],
                                  gain=res["static"]["median_us"] / m["median_us"] if dyn else None,
-                                 gain_mean=res["static"]["mean_us"] / m["mean_us"] if dyn else None))
+                                 gain_mean=res["static"]["mean_us"] / m["mean_us"] if dyn else None,
+                                 gain_rounds=m["gain_rounds"] if dyn else None))
     finally:
         runtime.set_thread_slowdown(1, 1.0)
         runtime.scheduler_static(False)
@@ -287,7 +318,8 @@ def main(argv=None):
     summary.print()
     notes = [f"{fmt} {M}x{K}, {where}, {args.calls} calls per mode, ISA {runtime.get_isa()}",
              f"panels t1: 64-row panels of pool thread 1 in the last call, of {-(-M // 64)}; ratio[1]: its share in "
-             "the dynamic table after the timed calls; gain: static / dynamic time per call"]
+             "the dynamic table after the timed calls; gain: static / dynamic time per call; gain (rounds): median "
+             f"over rounds of {args.block} calls of each of static / dynamic block median"]
     if args.slowdown > 1.0:
         notes.append(f"with the knob at {args.slowdown:g}x and otherwise equal cores, the ideal split gives thread 1 "
                      f"1/(1+s) = {1 / (1 + args.slowdown):.3f} of the rows and a gain of (1+s)/2 = "
