@@ -158,6 +158,8 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
             "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
   check_tiles("pack", fi, tiles);
   const int64_t M = mc.sizes[0], K = mc.sizes[1];
+  ULB_CHECK(M >= 1 && M <= ULB_MAX_M && K >= 1 && K <= ULB_MAX_K, "ulb.pack: codes of shape [", M, ", ", K,
+            "]: packed weights hold 1 to ", ULB_MAX_M, " out_features and 1 to ", ULB_MAX_K, " in_features");
   const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
   if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
   const int64_t G = (group_size <= 0 || group_size >= K) ? 1 : (K + group_size - 1) / group_size;
@@ -308,11 +310,16 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
 Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   const Meta mw(weight);
   check_cpu(mw, "linear_bf16", "weight");
-  ULB_CHECK(mw.dtype == kBF16 && mw.dim == 2 && mw.strides[1] == 1,
-            "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with contiguous rows, got ",
+  ULB_CHECK(mw.dtype == kBF16 && mw.dim == 2, "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor, got ",
             dtype_name(mw.dtype), " with ", mw.dim, " dims");
   const int64_t M = mw.sizes[0], K = mw.sizes[1];
   ULB_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
+  // The stride of a dimension of size 1 is never used (PyTorch calls such a
+  // tensor contiguous whatever it says).
+  const int64_t ldw = M == 1 ? K : mw.strides[0];
+  ULB_CHECK((K == 1 || mw.strides[1] == 1) && ldw >= K,
+            "ulb.linear_bf16: weight rows must be contiguous and not overlap (strides ", mw.strides[0], ", ",
+            mw.strides[1], " for shape [", M, ", ", K, "]); pass weight.contiguous()");
   const Meta mx(x);
   check_cpu(mx, "linear_bf16", "input");
   ULB_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
@@ -326,7 +333,7 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   uint16_t *out = static_cast<uint16_t *>(y.mutable_data_ptr());
   const int nthreads = static_cast<int>(torch::stable::get_num_threads());
   for (int64_t n = 0; n < rows.N; n++)
-    check_ok(ulb_gemv_bf16(w, M, K, mw.strides[0], static_cast<const uint16_t *>(rows.data) + n * rows.ld, rows.inc,
+    check_ok(ulb_gemv_bf16(w, M, K, ldw, static_cast<const uint16_t *>(rows.data) + n * rows.ld, rows.inc,
                            b.ptr, b.dt, out + n * M, ULB_DT_BF16, nthreads),
              "linear_bf16");
   return y;

@@ -222,10 +222,12 @@ def test_codes_wrong_dtype_or_shape():
         ops.pack(torch.zeros(K, dtype=torch.uint8), torch.ones(1, 1), "int2")
     with pytest.raises(ValueError, match=r"scales must have shape \(8, 1\)"):
         ops.pack(torch.zeros(M, K, dtype=torch.uint8), torch.ones(M - 1, 1), "int2")
-    with pytest.raises(RuntimeError, match="invalid shape"):
+    with pytest.raises(ValueError, match="out_features=0: packed weights hold 1 to"):
         ops.pack(torch.zeros(0, K, dtype=torch.uint8), torch.ones(0, 1), "int2")
-    with pytest.raises(RuntimeError, match="invalid shape"):
+    with pytest.raises(ValueError, match="in_features=0: packed weights hold 1 to"):
         ops.pack(torch.zeros(M, 0, dtype=torch.uint8), torch.ones(M, 1), "int2")
+    with pytest.raises(RuntimeError, match=r"codes of shape \[0, 64\]: packed weights hold 1 to"):
+        torch.ops.ulb.pack(torch.zeros(0, K, dtype=torch.uint8), torch.ones(0, 1), ulbtorch.formats.get_format("int2").id, 0)
 
 
 def test_group_size_checked_everywhere():
@@ -630,3 +632,88 @@ def test_read_probe_misaligned():
 def test_layer_features_must_be_ints(args):
     with pytest.raises(TypeError, match="features must be an int"):
         ulbtorch.nn.Linear2Bit(*args)
+
+
+# ---- limits and edges found by a review (2026-11-27) -----------------------------------------------
+
+def test_shape_limits_are_named_and_checked_before_ctypes():
+    max_m, max_k = ops.shape_limits()
+    assert (max_m, max_k) == (1 << 26, 1 << 16)
+    # ctypes would have wrapped these to another geometry's size
+    for m, k in [(2**64 + 64, 128), (64, 2**64 + 128), (-(2**64) + 64, 128)]:
+        with pytest.raises(ValueError, match="packed weights hold 1 to"):
+            ops.packed_nbytes("int2", m, k)
+    with pytest.raises(ValueError, match="in_features=65537: packed weights hold 1 to 65536 inputs"):
+        ops.packed_nbytes("int2", 16, max_k + 1)
+    assert ops.packed_nbytes("int2", 16, max_k) > 0
+    with pytest.raises(ValueError, match="in_features=70000"):
+        Linear2Bit.from_linear(torch.nn.Linear(70000, 16))
+    with pytest.raises(RuntimeError, match=r"codes of shape \[1, 70000\]: packed weights hold"):
+        torch.ops.ulb.pack(torch.zeros(1, 70000, dtype=torch.uint8), torch.zeros(1, 1), 1, 0, -1)
+    with pytest.raises(ValueError, match=r"quantize_: layer '1': in_features=70000.*exclude"):
+        ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(70000, 16)), bits=2)
+
+
+def test_pack_with_scales_on_meta_is_refused():
+    """The meta key sent this call to the fake, which returned uninitialised
+    CPU bytes."""
+    codes = torch.randint(0, 4, (70, 100), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="scales is on meta"):
+        torch.ops.ulb.pack(codes, torch.rand(70, 1, device="meta"), 1, 0, -1)
+
+
+def test_fakes_refuse_what_the_ops_refuse():
+    blob = ops.pack(torch.randint(0, 4, (8, 64), dtype=torch.uint8), torch.rand(8, 1) + 0.1, "int2_sym")
+    fake = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake:
+        fb = fake.from_tensor(blob)
+        for x, what in [(torch.empty((), dtype=torch.float32), "at least 1 dim"),
+                        (torch.empty(64, dtype=torch.float16), "float32 or bfloat16, got torch.float16")]:
+            with pytest.raises(RuntimeError, match=what):
+                torch.ops.ulb.linear(x, fb, None, 8)
+        with pytest.raises(RuntimeError, match="2-D bfloat16"):
+            torch.ops.ulb.linear_bf16(torch.empty(64, dtype=torch.bfloat16),
+                                      torch.empty(64, dtype=torch.bfloat16), None)
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            torch.ops.ulb.linear_bf16(torch.empty(64), torch.empty(8, 64, dtype=torch.bfloat16), None)
+
+
+def test_linear_bf16_ignores_strides_of_size_one_dims():
+    """Contiguous by PyTorch's rules, refused before: a [1, K] weight whose
+    row stride is 1, and a [M, 1] weight whose column stride is M."""
+    for w in (torch.randn(100, 1).bfloat16().t(), torch.randn(1, 70).bfloat16().t()):
+        assert w.is_contiguous()
+        x = torch.randn(w.shape[1]).bfloat16()
+        assert torch.equal(torch.ops.ulb.linear_bf16(x, w, None), torch.ops.ulb.linear_bf16(x, w.clone(), None))
+    w = torch.randn(70, 100).bfloat16()[:1].expand(70, 100)  # rows overlap: stride 0
+    with pytest.raises(RuntimeError, match=r"rows must be contiguous and not overlap \(strides 0, 1"):
+        torch.ops.ulb.linear_bf16(torch.randn(100).bfloat16(), w, None)
+
+
+def test_linear_bf16_module_with_no_inputs_is_f_linear():
+    lin = torch.nn.Linear(0, 4, bias=True).bfloat16()
+    torch.nn.init.uniform_(lin.bias)
+    layer = ulbtorch.nn.LinearBF16.from_linear(lin)
+    with torch.no_grad():
+        for shape in [(0,), (3, 0)]:
+            x = torch.empty(shape, dtype=torch.bfloat16)
+            assert torch.equal(layer(x), lin(x))
+
+
+def test_read_probe_refuses_a_length_not_a_multiple_of_8():
+    b = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple of 8 bytes long, got 9 bytes"):
+        runtime.read_probe(b[:9])
+    b[8] = 1
+    assert runtime.read_probe(b) != runtime.read_probe(torch.zeros(16, dtype=torch.uint8))
+
+
+def test_binary_absmean_of_huge_finite_weights():
+    """mean|W| of finite weights can overflow fp32; the scale stays finite."""
+    lin = torch.nn.Linear(64, 70)
+    with torch.no_grad():
+        lin.weight.fill_(3e38)
+        lin.weight[1::2] *= -1
+    w = Linear1Bit.from_linear(lin).dequantize()
+    assert torch.isfinite(w).all()
+    assert torch.allclose(w, lin.weight, rtol=1e-6)

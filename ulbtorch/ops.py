@@ -3,6 +3,8 @@
 that defines what every kernel computes."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.ulb.*)
@@ -19,9 +21,19 @@ def _check_same_device(op: str, x: torch.Tensor, **others) -> None:
             raise ValueError(f"ulb.{op}: input is on {x.device} but the {name.replace('_', ' ')} is on {t.device}")
 
 
+def _check_fake_input(op: str, x: torch.Tensor, dtypes: tuple) -> None:
+    # What the real op refuses, refused while tracing too.
+    if x.dtype not in dtypes:
+        raise RuntimeError(f"ulb.{op}: input must be {' or '.join(str(d)[6:] for d in dtypes)}, got {x.dtype}")
+    if x.dim() < 1:
+        raise RuntimeError(f"ulb.{op}: input must have at least 1 dim")
+
+
 @torch.library.register_fake("ulb::linear")
 def _linear_fake(x, packed, bias, out_features):
     _check_same_device("linear", x, packed_weight=packed, bias=bias)
+    _check_fake_input("linear", x, _ACT_DTYPES)
+    _check_packed(packed)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -56,6 +68,10 @@ _autocast_lib.impl("linear", lambda _keys, *args: _linear_autocast(*args), "Auto
 @torch.library.register_fake("ulb::linear_bf16")
 def _linear_bf16_fake(x, weight, bias):
     _check_same_device("linear_bf16", x, weight=weight, bias=bias)
+    _check_fake_input("linear_bf16", x, (torch.bfloat16,))
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise RuntimeError(f"ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with {x.shape[-1]} columns, "
+                           f"got {weight.dtype} of shape {tuple(weight.shape)}")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -93,6 +109,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D [out_features, in_features], got shape {tuple(codes.shape)}")
     M, K = codes.shape
+    check_shape(M, K)
     gs = normalize_group_size(group_size, K, fmt)
     scales = scales.detach().to(torch.float32)
     if scales.dim() == 1:
@@ -125,11 +142,34 @@ def preferred_tiles(format: str | Format) -> str:
     return TILE_ORDERS[_lib.ulb_tiles_preferred(get_format(format).id)]
 
 
+def shape_limits() -> tuple[int, int]:
+    """(largest out_features, largest in_features) a packed weight holds:
+    2^26 and 2^16; up to 2^16 inputs every kernel's int32 sums stay exact."""
+    from .runtime import _lib
+
+    m, k = ctypes.c_int64(), ctypes.c_int64()
+    _lib.ulb_shape_limits(ctypes.byref(m), ctypes.byref(k))
+    return m.value, k.value
+
+
+def check_shape(out_features, in_features) -> None:
+    """A clear error for a weight shape no packed format holds."""
+    max_m, max_k = shape_limits()
+    for name, v, top in (("out_features", out_features, max_m), ("in_features", in_features, max_k)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+        if not 1 <= v <= top:
+            raise ValueError(f"{name}={v}: packed weights hold 1 to {top} " +
+                             ("inputs (the kernels' int32 sums stay exact up to there)" if name == "in_features"
+                              else "outputs"))
+
+
 def packed_nbytes(format: str | Format, out_features: int, in_features: int, group_size: int = 0) -> int:
     """Size of the blob ulb.pack makes for these parameters."""
     from .runtime import _lib
 
     fmt = get_format(format)
+    check_shape(out_features, in_features)
     n = _lib.ulb_packed_nbytes(fmt.id, out_features, in_features,
                                normalize_group_size(group_size, in_features, fmt))
     if n < 0:
@@ -219,7 +259,9 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @torch.library.register_fake("ulb::pack")
 def _pack_fake(codes, scales, format, group_size, tiles=-1):
-    return codes.new_empty((packed_nbytes(FORMATS_BY_ID[format], codes.shape[0], codes.shape[1], group_size),),
+    _check_same_device("pack", codes, scales=scales)
+    M, K = (int(d) for d in codes.shape)  # the blob's size is a function of them: specialise
+    return codes.new_empty((packed_nbytes(FORMATS_BY_ID[format], M, K, group_size),),
                            dtype=torch.uint8)
 
 

@@ -191,8 +191,11 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         except ImportError:
             pass
     for name, lin, cfg in targets:
-        layer = MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
-                                                          **cfg.layer_args(lin.in_features))
+        try:
+            layer = MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
+                                                              **cfg.layer_args(lin.in_features))
+        except ValueError as e:
+            raise ValueError(f"quantize_: layer {name!r}: {e}; exclude=[..., {name!r}] keeps it in float") from e
         packed_bytes += layer.packed.numel()
         replace_everywhere(model, names, lin, layer)
     if config.bf16_gemv:

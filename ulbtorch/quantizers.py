@@ -67,7 +67,11 @@ def _scale(wg: torch.Tensor, fmt: Format, method: str) -> torch.Tensor:
         # s = 1/inv (one rounding) makes s * level equal BitNet's q / inv, and
         # 1/s gives back inv exactly for the codes above in all but ties, which
         # the lossless test checks.
-        inv = 1.0 / wg.abs().mean(dim=-1, keepdim=True).clamp(min=1e-5)
+        mean = wg.abs().mean(dim=-1, keepdim=True)
+        if torch.isinf(mean).any():  # a sum of finite weights past the fp32 range
+            mean = torch.where(torch.isinf(mean), wg.abs().mean(dim=-1, keepdim=True, dtype=torch.float64).float(),
+                               mean)
+        inv = 1.0 / mean.clamp(min=1e-5)
         return 1.0 / inv
     amax, outer, sign = _absmax_parts(wg, fmt)
     base = sign * (amax / outer)

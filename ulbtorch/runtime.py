@@ -28,6 +28,7 @@ class _SchedStats(ctypes.Structure):
 
 _lib.ulb_packed_nbytes.restype = ctypes.c_int64
 _lib.ulb_packed_nbytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+_lib.ulb_shape_limits.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
 _lib.ulb_isa_active.restype = ctypes.c_int
 _lib.ulb_isa_supported.argtypes = [ctypes.c_int]
 _lib.ulb_tiles_preferred.argtypes = [ctypes.c_int]
@@ -91,8 +92,9 @@ def read_probe(buffer, threads: int | None = None, streams: int = 1) -> int:
     n = buffer.numel() * buffer.element_size()
     if n == 0:  # nothing to read (and an empty tensor has no data pointer)
         return 0
-    if buffer.data_ptr() % 8:
-        raise ValueError("read_probe: buffer must be 8-byte aligned")
+    if buffer.data_ptr() % 8 or n % 8:
+        raise ValueError(f"read_probe: buffer must be 8-byte aligned and a multiple of 8 bytes long, got {n} bytes "
+                         f"at an address {buffer.data_ptr() % 8} past a multiple of 8")
     if _lib.ulb_read_probe_streams(buffer.data_ptr(), n, threads, streams, ctypes.byref(out)) != 0:
         raise ValueError("read_probe: the kernels refused the buffer")
     return out.value

@@ -41,13 +41,15 @@ const char *ulb_status_str(ulb_status s) {
     return "unknown error";
 }
 
-/* Accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
+/* ULB_MAX_K: accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
  * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31) and 16 * sum q x
  * for 4-bit codes (16 * 15 * 128 * 65536 < 2^31), and |sum q x| of 8-bit
  * codes stays at most 254 * 128 * 65536 < 2^31 (activations are -127..127
  * from ulb_quantize_act; int_dots takes -128 too). */
-#define ULB_MAX_K (1LL << 16)
-#define ULB_MAX_M (1LL << 26)
+void ulb_shape_limits(int64_t *max_m, int64_t *max_k) {
+    *max_m = ULB_MAX_M;
+    *max_k = ULB_MAX_K;
+}
 
 typedef struct {
     int64_t group_size, n_groups, M_pad, K_pad, panels_bytes, total;

@@ -95,9 +95,17 @@ typedef struct {
 #define ULB_BLOB_VERSION 2 /* 1: scales after all codes */
 #define ULB_HEADER_BYTES 64
 
+/* The largest K (in_features) and M (out_features) a blob holds. K keeps
+ * every kernel's int32 accumulators exact (see format.c). */
+#define ULB_MAX_K (1LL << 16)
+#define ULB_MAX_M (1LL << 26)
+
 /* Size in bytes of the blob for these parameters; < 0 (a -ulb_status) when
  * they are invalid. group_size <= 0 or >= K means one group per row. */
 int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size);
+
+/* ULB_MAX_M and ULB_MAX_K, for callers that cannot read the macros. */
+void ulb_shape_limits(int64_t *max_m, int64_t *max_k);
 
 /* codes: M x K uint8 with row stride ldc; scales: M x n_groups float32 (row
  * major). Writes the whole blob (nbytes from ulb_packed_nbytes), its tiles in
