@@ -95,6 +95,26 @@ def test_from_linear_matches_reference(gen, cls, fmt, granularity, gs, method, b
         assert (scales == scales[0, 0]).all()
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "op"])
+@pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
+def test_every_token_count_matches_reference(gen, cls, fmt, eager):
+    """One token (decode: the modules' eager C call, the one-token kernels
+    and 1-bit lookup tables), 2-4 tokens, and 16 or more (the AMX GEMM where
+    it runs), as a vector, a row and a batch, fp32 and bf16: each against
+    F.linear on the dequantized weight of the fake-quantized input. M = 90
+    ends in a panel of two 16-row tiles."""
+    lin, layer = _layer(gen, cls, fmt, gs=32, M=90)
+    w = layer.dequantize()
+    with torch.no_grad(), ulbtorch.runtime.use_eager_fast_path(eager):
+        for shape in [(K_IN,), (1, K_IN), (1, 1, K_IN), (2, K_IN), (3, K_IN), (4, K_IN), (16, K_IN), (17, K_IN)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(shape, generator=gen).to(dtype)
+                y = layer(x)
+                assert y.shape == (*shape[:-1], 90) and y.dtype == dtype
+                ref = F.linear(ops.fake_quantize_activations(x), w, layer.bias.float()).to(dtype)
+                _close(y, ref, rel=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
 def test_mse_scale_never_worse_than_absmax(gen, cls, fmt):
     """The MSE search includes the absmax scale, so its weight error is <=."""

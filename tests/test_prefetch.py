@@ -59,26 +59,31 @@ def test_fixed_setting_overrides_the_rule():
 
 
 @pytest.mark.parametrize("isa", KERNELS)
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_results_do_not_depend_on_distance(gen, fmt, isa):
-    """Bit-identical fp32 outputs at every distance, one and several tokens,
-    one and two threads, on a matrix larger than the common distances (so the
-    prefetches are issued) and equal to the scalar oracle."""
+@pytest.mark.parametrize("form", list(FORMATS) + ["binary:lanes"])
+def test_results_do_not_depend_on_distance(gen, form, isa):
+    """Bit-identical fp32 outputs at every distance (0 compiles out the
+    prefetches: the kernels' other variant, the default on AMD), one to three
+    and five tokens, one and two threads, per-channel and grouped scales, on
+    matrices larger than the common distances (so the prefetches are issued)
+    that end in panels of three and of two tiles, equal to the scalar oracle."""
+    fmt, _, tiles = form.partition(":")
     f = get_format(fmt)
-    M, K = 300, 4097  # neither a multiple of a panel or a tile
-    codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
-    blob = ops.pack(codes, torch.rand(M, 1, generator=gen) + 0.5, fmt)
+    K = 4097  # not a multiple of any tile
     x = torch.randn(5, K, generator=gen)
-    with runtime.use_isa("scalar"):
-        want = {n: torch.ops.ulb.linear(x[:n], blob, None, M) for n in (1, 5)}
-    with runtime.use_isa(isa):
-        for d in DISTANCES:
-            runtime.set_prefetch_distance(f.bits, d)
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for n in (1, 5):
-                    got = torch.ops.ulb.linear(x[:n], blob, None, M)
-                    assert torch.equal(got, want[n]), (d, threads, n)
+    for M, gs in ((300, 0), (90, 128)):
+        codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
+        G = -(-K // gs) if gs else 1
+        blob = ops.pack(codes, torch.rand(M, G, generator=gen) + 0.5, fmt, gs, tiles=tiles or "vnni")
+        with runtime.use_isa("scalar"):
+            want = {n: torch.ops.ulb.linear(x[:n], blob, None, M) for n in (1, 2, 3, 5)}
+        with runtime.use_isa(isa):
+            for d in DISTANCES:
+                runtime.set_prefetch_distance(f.bits, d)
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    for n in (1, 2, 3, 5):
+                        got = torch.ops.ulb.linear(x[:n], blob, None, M)
+                        assert torch.equal(got, want[n]), (M, gs, d, threads, n)
 
 
 def test_set_and_context():
