@@ -31,7 +31,9 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/forward_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
 #include "ulb/ulb.h"
@@ -76,6 +78,13 @@ bool default_thread_keys() {
          !at::autocast::is_autocast_enabled(at::kCPU);
 }
 
+// A tangent of forward-mode AD (torch.autograd.forward_ad) rides on the
+// tensor's autograd metadata: the kernel would drop it.
+bool has_tangent(const at::Tensor &t) {
+  const auto *meta = torch::autograd::impl::get_autograd_meta(t);
+  return meta && meta->fw_grad_ && !meta->fw_grad_->empty();
+}
+
 bool act_dtype(at::ScalarType s, ulb_dtype *dt) {
   if (s == at::kFloat) return *dt = ULB_DT_F32, true;
   if (s == at::kBFloat16) return *dt = ULB_DT_BF16, true;
@@ -103,6 +112,7 @@ PyObject *linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
   if (!plain_cpu(x) || !act_dtype(x.scalar_type(), &xdt) || x.dim() < 1 || x.numel() == 0) Py_RETURN_NOTIMPLEMENTED;
   if (c10::GradMode::is_enabled() && (x.requires_grad() || (bias && bias->requires_grad())))
     Py_RETURN_NOTIMPLEMENTED;
+  if (has_tangent(x) || (bias && has_tangent(*bias))) Py_RETURN_NOTIMPLEMENTED;
   if (!plain_cpu(packed) || packed.scalar_type() != at::kByte || packed.dim() != 1 || !packed.is_contiguous())
     Py_RETURN_NOTIMPLEMENTED;
   const uint8_t *blob = packed.const_data_ptr<uint8_t>();

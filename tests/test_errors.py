@@ -603,12 +603,53 @@ def test_switch_in_the_environment_other_than_0_or_1_warns(name):
     assert out.returncode == 0 and f"{name}='off' is not '0' or '1'; taken as '1' (on)" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("value", ["inf", "1e7", "abc", "", "0x10"])
+def test_bad_spin_time_warns_and_workers_still_sleep(value):
+    """ULB_SPIN_US=inf once made the ulb pool's workers spin for ever (a
+    core's worth of CPU while idle); other bad values silently meant 0."""
+    code = textwrap.dedent("""
+        import time, torch, ulbtorch
+        from ulbtorch import ops, runtime
+        runtime.set_thread_pool("ulb")
+        torch.set_num_threads(2)
+        blob = ops.pack(torch.zeros(1024, 1024, dtype=torch.uint8), torch.ones(1024, 1), "int2_sym")
+        torch.ops.ulb.linear(torch.randn(1, 1024), blob, None, 1024)
+        assert runtime.scheduler_stats(2)["nthreads"] == 2
+        time.sleep(0.05)  # past the default spin
+        c0 = time.process_time()
+        time.sleep(0.3)
+        print("idle cpu", time.process_time() - c0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, ULB_SPIN_US=value))
+    assert out.returncode == 0, out.stderr
+    assert f"ULB_SPIN_US={value!r} is not a number of microseconds from 0 to 1e6" in out.stderr
+    assert float(out.stdout.split()[-1]) < 0.1, out.stdout  # asleep, not spinning (0.3 s if spinning)
+
+
 def test_meta_input_to_a_module_gives_the_output_shape():
     """Shape inference on meta inputs runs the reference path; its bias
     followed the module's device and the call failed with a device clash."""
     layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
     y = layer(torch.randn(3, K, device="meta"))
     assert y.is_meta and y.shape == (3, M)
+
+
+def test_read_probe_on_more_threads_than_torch_runs():
+    """On PyTorch's pool the shares of threads > torch.get_num_threads() ran
+    one after another, and the probe's split table learned from that."""
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with pytest.raises(ValueError, match=r"threads=2 but PyTorch runs 1; call torch.set_num_threads\(2\)"):
+            runtime.read_probe(torch.zeros(1 << 16, dtype=torch.uint8), threads=2)
+        runtime.set_thread_pool("ulb")
+        assert runtime.thread_pool() == "ulb"
+        runtime.read_probe(torch.zeros(1 << 16, dtype=torch.uint8), threads=2)  # its own workers
+    finally:
+        runtime.set_thread_pool("torch")
+        torch.set_num_threads(prev)
+    assert runtime.thread_pool() == "torch"
 
 
 def test_read_probe_of_nothing():

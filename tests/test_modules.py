@@ -284,6 +284,64 @@ def test_backward_goes_straight_through_the_activation_rounding(gen, cls, fmt, d
     layer.force_reference = False
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
+@pytest.mark.parametrize("cls,fmt", [(Linear2Bit, "int2_sym"), (Linear1Bit, "binary"), (Linear8Bit, "int8")],
+                         ids=["int2_sym", "binary", "int8"])
+def test_forward_mode_and_vmap_transforms(gen, cls, fmt, reference):
+    """Forward-mode AD (dual tensors, torch.func.jvp / jacfwd), vmap and
+    per-sample gradients through a layer: tangents go straight through the
+    activation rounding like gradients, dy = dx W^T + db. The kernel call
+    once dropped the tangent (jacfwd all zeros) and vmap of grad raised."""
+    import torch.autograd.forward_ad as fwAD
+    from torch import func
+
+    _, layer = _layer(gen, cls, fmt)
+    layer.force_reference = reference
+    W = layer.dequantize()
+    x, t = torch.randn(3, K_IN, generator=gen), torch.randn(3, K_IN, generator=gen)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(layer(fwAD.make_dual(x, t))).tangent
+    assert tangent is not None
+    _close(tangent, t @ W.t(), rel=1e-5)
+    y, jt = func.jvp(layer, (x,), (t,))
+    _close(jt, t @ W.t(), rel=1e-5)
+    assert torch.equal(y, layer(x))
+    _close(func.jacfwd(layer)(x[0]), W, rel=1e-5)
+    _close(func.jacrev(layer)(x[0]), W, rel=1e-5)
+    assert torch.equal(func.vmap(layer)(x), layer(x))
+    per_sample = func.vmap(func.grad(lambda xi: layer(xi).sum()))(x)
+    _close(per_sample, W.sum(0).expand(3, -1), rel=1e-5)
+
+
+def test_vmap_of_the_op_over_each_argument(gen):
+    _, layer = _layer(gen)
+    blob, M = layer.packed, layer.out_features
+    x, biases = torch.randn(4, 2, K_IN, generator=gen), torch.randn(4, M, generator=gen)
+    op = torch.ops.ulb.linear
+    assert torch.equal(torch.func.vmap(lambda xi: op(xi, blob, None, M), in_dims=1)(x),
+                       op(x.movedim(1, 0), blob, None, M))
+    got = torch.func.vmap(lambda b: op(x[0], blob, b, M))(biases)
+    assert torch.equal(got, torch.stack([op(x[0], blob, b, M) for b in biases]))
+
+
+def test_backward_uses_the_weight_of_the_forward_pass(gen):
+    """As autograd saves nn.Linear's weight: the packed weight of the forward
+    pass, whatever blob the layer holds by backward; one changed in place
+    (load_state_dict) is an error. Backward once read whatever it held then."""
+    _, layer = _layer(gen)
+    _, other = _layer(gen)
+    W = layer.dequantize()
+    x = torch.randn(3, K_IN, generator=gen, requires_grad=True)
+    y = layer(x)
+    layer.packed = other.packed.clone()  # a new blob in its place
+    y.sum().backward()
+    _close(x.grad, W.sum(0).expand(3, -1), rel=1e-6)
+    y = layer(x)
+    layer.load_state_dict(other.state_dict())  # in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: the packed weight of a Linear2Bit"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
 def test_torch_func_grad_matches_autograd(gen, cls, fmt):
     """torch.func.grad (functorch) through a layer: the kernel and reference

@@ -37,6 +37,23 @@ def _linear_fake(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_vmap("ulb::linear")
+def _linear_vmap(info, in_dims, x, packed, bias, out_features):
+    # The op takes any leading dims: a batched input is one call. A batched
+    # weight or bias (rare) is one call per member.
+    x_dim, packed_dim, bias_dim, _ = in_dims
+    if packed_dim is None and bias_dim is None:
+        x = x if x_dim is not None else x.expand(info.batch_size, *x.shape)
+        return torch.ops.ulb.linear(x.movedim(x_dim or 0, 0), packed, bias, out_features), 0
+
+    def member(t, dim, i):
+        return t if dim is None else t.select(dim, i)
+
+    return torch.stack([torch.ops.ulb.linear(member(x, x_dim, i), member(packed, packed_dim, i),
+                                             member(bias, bias_dim, i), out_features)
+                        for i in range(info.batch_size)]), 0
+
+
 # Under torch.autocast on CPU nn.Linear computes in the autocast dtype and
 # returns it; so does ulb.linear. torch.library.register_autocast casts to
 # one dtype fixed at registration, so the rule is registered as it does (a

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import warnings
 
 from . import _C
@@ -88,6 +89,10 @@ def read_probe(buffer, threads: int | None = None, streams: int = 1) -> int:
     if threads is None:
         threads = torch.get_num_threads()
     _check_threads(threads)
+    if _thread_pool == "torch" and threads > torch.get_num_threads():
+        # parallel_for would run the shares one after another on fewer threads
+        raise ValueError(f"read_probe: threads={threads} but PyTorch runs {torch.get_num_threads()}; call "
+                         f"torch.set_num_threads({threads}) first, or use set_thread_pool('ulb')")
     out = ctypes.c_uint64()
     n = buffer.numel() * buffer.element_size()
     if n == 0:  # nothing to read (and an empty tensor has no data pointer)
@@ -104,9 +109,19 @@ def set_thread_pool(name: str) -> None:
     """"torch" (default): run the kernels' parallel regions on PyTorch's
     intra-op threads, so one OpenMP runtime serves the process. "ulb": the
     kernels' own persistent pool (spin-then-sleep workers)."""
+    global _thread_pool
     if name not in ("torch", "ulb"):
         raise ValueError(f"thread pool must be 'torch' or 'ulb', got {name!r}")
     _lib.ulbtorch_use_torch_threads(int(name == "torch"))
+    _thread_pool = name
+
+
+_thread_pool = "torch"  # as ulbtorch._C sets it at load
+
+
+def thread_pool() -> str:
+    """The pool the kernels' parallel regions run on: "torch" or "ulb"."""
+    return _thread_pool
 
 
 def get_isa() -> str:
@@ -152,6 +167,24 @@ def _check_switch_env() -> None:
 
 
 _check_switch_env()
+
+
+def _check_spin_env() -> None:
+    """ULB_SPIN_US, read by the kernels' pool: a number of microseconds from
+    0 to 1e6, else the default (200)."""
+    value = os.environ.get("ULB_SPIN_US")
+    if value is None:
+        return
+    try:
+        ok = bool(re.fullmatch(r"[0-9.eE+-]+", value)) and 0.0 <= float(value) <= 1e6
+    except ValueError:
+        ok = False
+    if not ok:
+        warnings.warn(f"ULB_SPIN_US={value!r} is not a number of microseconds from 0 to 1e6; the ulb pool's "
+                      "workers spin the default 200", RuntimeWarning, stacklevel=2)
+
+
+_check_spin_env()
 
 
 @contextlib.contextmanager

@@ -278,6 +278,15 @@ typedef void (*ulb_range_fn)(void *ctx, int64_t begin, int64_t end);
 #define ULB_PARALLEL_MIN_BYTES (64 * 1024)
 ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn, void *ctx);
 int ulb_sched_family(int bits, ulb_isa isa);
+/* Spin-waiting for another thread of a job: `while (!done) ulb_spin_step(&w);`
+ * after `ulb_spin_wait w = ulb_spin_start();`. It yields the CPU every few
+ * microseconds, for where threads outnumber CPUs. */
+typedef struct {
+    double start_us;
+    int spins;
+} ulb_spin_wait;
+ulb_spin_wait ulb_spin_start(void);
+void ulb_spin_step(ulb_spin_wait *w);
 
 void *ulb_aligned_alloc(size_t bytes);
 void ulb_aligned_free(void *p);

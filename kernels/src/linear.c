@@ -176,7 +176,8 @@ static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end)
         if (r1 == job->N) break;
     }
     if (!job->warm_first) warm(first, end);
-    while (atomic_load_explicit(&job->acts_done, memory_order_acquire) < job->N) ulb_cpu_relax();
+    ulb_spin_wait spin = ulb_spin_start();
+    while (atomic_load_explicit(&job->acts_done, memory_order_acquire) < job->N) ulb_spin_step(&spin);
     return atomic_load_explicit(&job->acts_status, memory_order_relaxed) == ULB_OK;
 }
 

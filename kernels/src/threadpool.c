@@ -1,18 +1,22 @@
 /* Persistent worker pool for microsecond-long calls: workers spin for a short
  * while after a job (env ULB_SPIN_US, default 200) and then sleep on a futex,
  * so back-to-back layers pay no wake-up while an idle process burns no CPU.
- * The calling thread is worker 0. One job at a time: a second caller that
- * finds the pool busy runs its job on its own thread. A host runner (see
+ * Each worker sleeps on a word of its own, and a job wakes only the workers
+ * it needs: a worker left out of a job goes back to sleep without spinning.
+ * Spinning threads yield the CPU every few microseconds, so that where there
+ * are more threads than CPUs a spinner does not hold off the thread it waits
+ * for. The calling thread is worker 0. One job at a time: a second caller
+ * that finds the pool busy runs its job on its own thread. A host runner (see
  * ulb_set_parallel_runner) replaces the workers but keeps split and timing. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
-#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #if defined(__linux__)
 #include <linux/futex.h>
@@ -37,12 +41,25 @@ static void futex_wait(_Atomic uint32_t *addr, uint32_t expected) {
 #endif
 }
 
-static void futex_wake_all(_Atomic uint32_t *addr) {
+static void futex_wake_one(_Atomic uint32_t *addr) {
 #if defined(__linux__)
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 #else
     (void)addr;
 #endif
+}
+
+/* Spin-wait steps between looks at the clock, and how long a spinner runs
+ * before it yields at each look: sched_yield returns at once when the CPU
+ * has nothing else to run. */
+#define SPINS_PER_CHECK 256
+#define YIELD_AFTER_US 20.0
+
+ulb_spin_wait ulb_spin_start(void) { return (ulb_spin_wait){now_us(), 0}; }
+
+void ulb_spin_step(ulb_spin_wait *w) {
+    ulb_cpu_relax();
+    if (++w->spins % SPINS_PER_CHECK == 0 && now_us() - w->start_us > YIELD_AFTER_US) sched_yield();
 }
 
 /* pool.gen = (job counter << 8) | threads taking part in that job. */
@@ -55,7 +72,8 @@ static struct {
     double spin_us;
     _Atomic uint32_t gen; /* published job: counter and thread count, see above */
     _Atomic int pending;  /* workers still running the job */
-    _Atomic int sleepers;
+    /* 1 while worker tid is asleep or about to be (its futex word) */
+    _Atomic uint32_t asleep[ULB_MAX_THREADS];
     uint32_t start_gen[ULB_MAX_THREADS];
     /* the job */
     ulb_range_fn fn;
@@ -93,26 +111,29 @@ static void *worker_main(void *arg) {
     /* The generation before any job this worker must run: read by the
      * creator, since a job may be published before this thread starts. */
     uint32_t seen = pool.start_gen[tid];
+    double spin_for = pool.spin_us;
     for (;;) {
         uint32_t g;
-        double spin_start = now_us();
-        int spins = 0;
+        ulb_spin_wait w = ulb_spin_start();
         while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
-            ulb_cpu_relax();
-            if (++spins % 256) continue;
-            if (now_us() - spin_start < pool.spin_us) continue;
-            atomic_fetch_add(&pool.sleepers, 1);
-            if (atomic_load(&pool.gen) == seen) futex_wait(&pool.gen, seen);
-            atomic_fetch_sub(&pool.sleepers, 1);
-            spin_start = now_us();
+            ulb_spin_step(&w);
+            if (w.spins % SPINS_PER_CHECK || now_us() - w.start_us < spin_for) continue;
+            /* seq_cst, as the caller's publication: either this load sees
+             * the new job or the caller sees asleep = 1 and wakes us. */
+            atomic_store(&pool.asleep[tid], 1);
+            if (atomic_load(&pool.gen) == seen) futex_wait(&pool.asleep[tid], 1);
+            atomic_store(&pool.asleep[tid], 0);
+            w = ulb_spin_start();
         }
         seen = g;
         /* Who takes part travels in the same word as the generation, so a
          * worker that wakes late can never mistake a later job for this one. */
-        if (tid < (int)(g & JOB_THREADS_MASK)) {
+        const int takes_part = tid < (int)(g & JOB_THREADS_MASK);
+        if (takes_part) {
             run_share(tid);
             atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
         }
+        spin_for = takes_part ? pool.spin_us : 0.0;
     }
     return NULL;
 }
@@ -135,15 +156,25 @@ static void after_fork_child(void) {
     /* Worker threads do not survive fork(); start afresh in the child. */
     ulb_sched_after_fork();
     pool.nworkers = 0;
-    atomic_store(&pool.sleepers, 0);
+    for (int t = 0; t < ULB_MAX_THREADS; t++) atomic_store(&pool.asleep[t], 0);
     atomic_store(&pool.pending, 0);
     pthread_mutex_unlock(&pool.lock);
 }
 
+/* ULB_SPIN_US: 0 to 1e6 microseconds; anything else (empty, not a number,
+ * inf, which would spin for ever) is the default, 200, and runtime.py warns. */
+#define SPIN_US_DEFAULT 200.0
+#define SPIN_US_MAX 1e6
+static double spin_us_from_env(const char *env) {
+    if (!env || !*env || strspn(env, "0123456789.eE+-") != strlen(env)) return SPIN_US_DEFAULT;
+    char *end;
+    const double v = strtod(env, &end);
+    return end != env && *end == '\0' && v >= 0.0 && v <= SPIN_US_MAX ? v : SPIN_US_DEFAULT;
+}
+
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static void pool_init(void) {
-    const char *env = getenv("ULB_SPIN_US");
-    pool.spin_us = env ? atof(env) : 200.0;
+    pool.spin_us = spin_us_from_env(getenv("ULB_SPIN_US"));
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
@@ -183,11 +214,13 @@ ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn
     } else {
         atomic_store(&pool.pending, nthreads - 1);
         const uint32_t prev = atomic_load(&pool.gen);
-        /* seq_cst: the publication must be ordered before reading sleepers. */
+        /* seq_cst: the publication must be ordered before reading asleep. */
         atomic_store(&pool.gen, ((prev & ~JOB_THREADS_MASK) + JOB_COUNTER_STEP) | (uint32_t)nthreads);
-        if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.gen);
+        for (int t = 1; t < nthreads; t++)
+            if (atomic_exchange(&pool.asleep[t], 0)) futex_wake_one(&pool.asleep[t]);
         run_share(0);
-        while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) ulb_cpu_relax();
+        ulb_spin_wait w = ulb_spin_start();
+        while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) ulb_spin_step(&w);
     }
     ulb_sched_record(family, nthreads, pool.begin, pool.end, pool.us);
     pthread_mutex_unlock(&pool.lock);

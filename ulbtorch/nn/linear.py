@@ -22,12 +22,18 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ulb_linear = torch.ops.ulb.linear.default
 # torch.compile traces __call__: it must not meet the C call (a graph break).
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+# Forward-mode AD (a dual level open) or a torch.func transform: the kernel
+# call alone would drop tangents.
+_forward_ad = torch.autograd.forward_ad
+_functorch_level = torch._C._functorch.maybe_current_level
 
 
 class _KernelLinear(torch.autograd.Function):
     """ulb.linear with a backward, for when autograd records: the gradient
     goes straight through the int8 rounding of the activations (as in
     BitNet's training), dx = dy W with W the dequantised weight."""
+
+    generate_vmap_rule = True  # torch.func.vmap over it (per-sample grads)
 
     # forward without ctx, and setup_context: the form torch.func's
     # transforms (grad, jacrev) accept.
@@ -40,12 +46,28 @@ class _KernelLinear(torch.autograd.Function):
         x, bias, layer = inputs
         ctx.layer, ctx.x_dtype = layer, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
+        # The weight of this forward, as autograd saves nn.Linear's: a blob
+        # put in its place later does not change this gradient, and one
+        # changed in place (load_state_dict) is an error, as there.
+        ctx.packed = layer._buffers["packed"]
+        ctx.packed_version = None if torch.compiler.is_compiling() else ctx.packed._version
 
     @staticmethod
     def backward(ctx, gy):
+        layer, packed = ctx.layer, ctx.packed
         # Dequantised afresh each time: caching fp32 weights would hold 16x the
-        # packed bytes of every layer for as long as training runs.
-        gx = (gy.float() @ ctx.layer.dequantize()).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        # packed bytes of every layer for as long as training runs. (A graph
+        # compiled from the layer reads its buffer as of the forward pass.)
+        w = None
+        if ctx.packed_version is not None:
+            if packed._version != ctx.packed_version:
+                raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                                   f"inplace operation: the packed weight of a {type(layer).__name__} (version "
+                                   f"{packed._version}, {ctx.packed_version} at the forward pass)")
+            if layer._buffers["packed"] is not packed:
+                w = ops.dequantize(*ops.unpack(packed), layer.format, layer.group_size)
+        w = layer.dequantize() if w is None else w
+        gx = (gy.float() @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         gb = gy.reshape(-1, gy.shape[-1]).float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
         return gx, gb, None
 
@@ -58,7 +80,28 @@ def _call_kernel(layer, x, bias):
         raise
 
 
+class _KernelLinearTangent(_KernelLinear):
+    """_KernelLinear with forward-mode AD: the tangent goes straight through
+    the rounding too, dy = dx W^T + db. Apart, as Dynamo traces no Function
+    with a jvp."""
+
+    @staticmethod
+    def jvp(ctx, x_t, bias_t, _):
+        y_t = torch.zeros((), dtype=torch.float32) if x_t is None else x_t.float() @ ctx.layer.dequantize().t()
+        if bias_t is not None:
+            y_t = y_t + bias_t.float()
+        return y_t.to(ctx.x_dtype)
+
+
+def _tangents_possible() -> bool:
+    """A forward-mode AD level is open or a torch.func transform runs (not
+    while Dynamo traces: a compiled graph has neither)."""
+    return not _is_dynamo_compiling() and (_forward_ad._current_level >= 0 or _functorch_level() is not None)
+
+
 def _kernel_linear(layer, x, bias):
+    if _tangents_possible():
+        return _KernelLinearTangent.apply(x, bias, layer)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return _KernelLinear.apply(x, bias, layer)
     return _call_kernel(layer, x, bias)
@@ -66,6 +109,8 @@ def _kernel_linear(layer, x, bias):
 
 class _FakeQuantSTE(torch.autograd.Function):
     """The kernels' activation rounding, forward bit for bit; backward the identity."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x):
@@ -78,6 +123,14 @@ class _FakeQuantSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+class _FakeQuantSTETangent(_FakeQuantSTE):
+    """With forward-mode AD: the tangent the identity too (see _KernelLinearTangent)."""
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t
 
 
 class LowBitLinear(nn.Module):
@@ -251,7 +304,10 @@ class LowBitLinear(nn.Module):
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self._dequantized(x.device)
-        xq = _FakeQuantSTE.apply(x) if torch.is_grad_enabled() else ops.fake_quantize_activations(x)
+        if _tangents_possible():
+            xq = _FakeQuantSTETangent.apply(x)
+        else:
+            xq = _FakeQuantSTE.apply(x) if torch.is_grad_enabled() else ops.fake_quantize_activations(x)
         bias = None if self.bias is None else self.bias.to(device=x.device, dtype=torch.float32)
         return torch.nn.functional.linear(xq, w, bias).to(x.dtype)
 
