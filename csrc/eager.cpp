@@ -20,6 +20,7 @@
 // Unlike ulbtorch._C this module uses the classic C++ API of the torch it
 // was built with; ulbtorch binds it only under that same torch version.
 #include <Python.h>
+#include <cxxabi.h>
 #include <dlfcn.h>
 
 #include <ATen/ATen.h>
@@ -300,6 +301,8 @@ template <PyObject *(*unchecked)(PyObject *const *, Py_ssize_t)>
 PyObject *guarded(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   try {
     return unchecked(args, nargs);
+  } catch (abi::__forced_unwind &) {
+    throw;  // a thread cancelled (daemon threads at exit) must unwind, not return
   } catch (...) {
     PyErr_Clear();
     Py_RETURN_NOTIMPLEMENTED;
