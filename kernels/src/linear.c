@@ -48,11 +48,13 @@ static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, 
  * lookups: one thread 1.03-1.09x from 16 KiB panels (K = 2048) on; two
  * threads 0.95x on 16 KiB panels (1024x2048), 0.99-1.04x (2048x2048),
  * 1.02x on 32 KiB (4096x4096), so from 32 KiB there.
- * On the Xeon VM of benchmarks/results/xeon_amx (AVX-512), per-channel int4
- * streams better one panel at a time: without pairs 1.04-1.07x (4096x4096
- * on one and two threads, 14336x4096 and 2048x2048 on two, 2 MiB and
- * 4 KiB pages), where int4 in groups of 32 or 128 ran 0.99-1.03x, int8
- * 0.97-0.98x, 2-bit 1.00x and 1-bit 1.01x; so no pairs there on Intel. */
+ * Per-channel int4 under the AVX2 kernels on Intel (the only pair kernel
+ * for int4; the AVX-512 ones read one panel at a time anyway) streams better
+ * one panel at a time: on the Xeon VM of benchmarks/results/xeon_amx with
+ * ULB_ISA=avx2, ab_builds.sh in both orders (the build run second reads
+ * 4-5% faster here whatever it is), pairs 0.99x at 4096x4096 on one thread,
+ * 0.97x on two, 0.94-0.95x at 14336x4096 and 2048x2048 on two; so no
+ * pairs there on Intel. (Not run by this machine's tests: covered on AMD.) */
 #define PAIR_MIN_PANEL_BYTES (16 << 10)
 static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
     const int64_t panel = ulb_panel_offset(w->ksteps, w->n_groups, 1);
