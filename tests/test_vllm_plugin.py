@@ -46,3 +46,42 @@ def test_names_follow_vllms_renames():
     layer = LinearBase.__new__(LinearBase)
     assert type(cfg.get_quant_method(layer, "model.layers.0.short_conv.in_proj")) is UnquantizedLinearMethod
     assert type(cfg.get_quant_method(layer, "model.layers.1.short_conv.in_proj")) is UlbLinearMethod
+
+
+def test_apply_computes_the_layer():
+    """The numbers of the methods' apply (vllm_smoke.sh checks them end to
+    end): the low-bit layer against F.linear on the dequantized weight of
+    the fake-quantized input, fp32, bf16 and fp16; the bf16 lm_head's GEMV
+    against F.linear for one token and a batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from ulbtorch import ops
+    from ulbtorch.integrations.vllm import UlbBF16HeadMethod
+    from ulbtorch.quantize import QuantConfig
+
+    g = torch.Generator().manual_seed(0)
+    M, K = 70, 100
+    codes = torch.randint(0, 4, (M, K), generator=g, dtype=torch.uint8)
+    scales = torch.rand(M, 1, generator=g) + 0.1
+    layer = torch.nn.Module()
+    layer.packed = torch.nn.Parameter(ops.pack(codes, scales, "int2_sym"), requires_grad=False)
+    layer.ulb_out_features = M
+    W = ops.dequantize(codes, scales, "int2_sym")
+    bias = torch.randn(M, generator=g)
+    method = UlbLinearMethod(QuantConfig(bits=2))
+    for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        x = torch.randn(3, K, generator=g).to(dtype)
+        y = method.apply(layer, x, bias.to(dtype))
+        assert y.dtype == dtype and y.shape == (3, M)
+        want = F.linear(ops.fake_quantize_activations(x), W, bias.to(dtype).float())
+        assert (y.float() - want).abs().max() <= rel * want.abs().max()
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.randn(M, K, generator=g).bfloat16(), requires_grad=False)
+    head_method = UlbBF16HeadMethod()
+    head_method.process_weights_after_loading(head)  # vLLM's CPU setup for its own batches
+    for shape in ((K,), (1, K), (4, K)):
+        x = torch.randn(shape, generator=g).bfloat16()
+        y = head_method.apply(head, x)
+        want = F.linear(x.float(), head.weight.float())
+        assert y.shape == want.shape and (y.float() - want).abs().max() <= 1e-2 * want.abs().max()
