@@ -252,3 +252,65 @@ def test_torch_compile_fullgraph():
             assert torch.equal(compiled(x), seq(x))
     finally:
         torch._dynamo.reset()
+
+
+class _SharedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_save_and_load_a_layer_used_twice(tmp_path):
+    """Saved under its first name, loaded at both: it once failed to load
+    ("missing b.weight")."""
+    torch.manual_seed(0)
+    model = ulbtorch.quantize_(_SharedLayer(), bits=2)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    loaded = ulbtorch.load_quantized(_SharedLayer(), str(tmp_path))
+    assert loaded.a is loaded.b and type(loaded.a) is Linear2Bit
+    x = torch.randn(3, 64)
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_load_quantized_checks_everything_before_changing_the_model(tmp_path):
+    """A failed load once left the model half converted; a model on meta
+    once 'loaded' and stayed on meta; a hand-edited manifest gave a
+    self-contradictory message."""
+    import json
+    import os
+
+    model = ulbtorch.quantize_(tiny_llama(seed=0), bits=2)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    manifest = tmp_path / "ulbtorch.json"
+    good = json.loads(manifest.read_text())
+
+    def types_after(fail_with, match):
+        fresh = tiny_llama(seed=1)
+        before = [type(m) for m in fresh.modules()]
+        with pytest.raises(fail_with, match=match):
+            ulbtorch.load_quantized(fresh, str(tmp_path))
+        assert [type(m) for m in fresh.modules()] == before
+
+    bad = json.loads(json.dumps(good))
+    bad["layers"]["model.layers.0.mlp.up_proj"]["in_features"] = "64"
+    manifest.write_text(json.dumps(bad))
+    types_after(ValueError, r"'model.layers.0.mlp.up_proj': in_features must be a int, got '64'")
+    bad = json.loads(json.dumps(good))
+    bad["layers"]["model.norm"] = bad["layers"]["model.layers.0.mlp.up_proj"]
+    manifest.write_text(json.dumps(bad))
+    types_after(ValueError, r"'model.norm' is a LlamaRMSNorm in the model, not a linear layer")
+    manifest.write_text(json.dumps(good))
+    os.rename(tmp_path / "model.safetensors", tmp_path / "elsewhere")
+    types_after(FileNotFoundError, "model.safetensors not found")
+    os.rename(tmp_path / "elsewhere", tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        on_meta = tiny_llama(seed=0)
+    with pytest.raises(ValueError, match="on the meta device"):
+        ulbtorch.load_quantized(on_meta, str(tmp_path))
+    again = ulbtorch.load_quantized(ulbtorch.load_quantized(tiny_llama(seed=1), str(tmp_path)), str(tmp_path))
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

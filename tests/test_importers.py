@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.integrations.bitnet import pack_weights, unpack_weights  # noqa: E402
 
 import ulbtorch  # noqa: E402
@@ -306,3 +306,41 @@ def test_meta_construction_touches_only_its_own_thread():
         frozen.register_parameter("p", torch.nn.Parameter(torch.zeros(2), requires_grad=False))
     assert built["w"].device.type == "cpu"
     assert ours.weight.is_meta and frozen.p.is_meta and not frozen.p.requires_grad
+
+
+def test_convert_grid_linears_converts_a_shared_layer_at_every_name():
+    torch.manual_seed(5)
+    model = grid_model()
+    model.model.layers[1].up_proj = model.model.layers[0].up_proj
+    convert_grid_linears(model, 1)
+    assert type(model.model.layers[1].up_proj) is Linear1Bit
+    assert model.model.layers[1].up_proj is model.model.layers[0].up_proj
+
+
+def _grid_llama(bits):
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CFG), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if type(m) is torch.nn.Linear and name != "lm_head":
+                s = m.weight.abs().mean(1, keepdim=True)
+                m.weight.copy_((torch.sign(m.weight) * s).to(torch.bfloat16))
+    return convert_grid_linears(model, bits)
+
+
+def test_imported_models_save_through_transformers(tmp_path):
+    """load_bitnet_checkpoint and convert_grid_linears record ulbtorch's
+    config as quantize_ does: save_pretrained then writes a checkpoint that
+    from_pretrained loads packed, bit for bit (it loaded random nn.Linear
+    weights before)."""
+    (tmp_path / "bitnet").mkdir()
+    make_checkpoint(tmp_path / "bitnet", "bitlinear")
+    ids = torch.randint(0, 300, (1, 6))
+    for name, model in [("bitnet", load_bitnet_checkpoint(str(tmp_path / "bitnet"))), ("grid", _grid_llama(1))]:
+        with torch.no_grad():
+            logits = model(ids).logits
+        model.save_pretrained(tmp_path / f"{name}_saved")
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_saved", dtype=torch.bfloat16).eval()
+        assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()], name
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, logits), name

@@ -161,6 +161,15 @@ class QuantConfig:
         return asdict(self)
 
 
+def record_for_transformers(model: nn.Module, config: QuantConfig) -> None:
+    """For a transformers model: record in model.config the UlbConfig that
+    makes save_pretrained write a checkpoint from_pretrained loads packed
+    (integrations.transformers.record_quant_config)."""
+    if type(getattr(model, "config", None)).__module__.startswith("transformers."):
+        from .integrations.transformers import record_quant_config
+        record_quant_config(model, config)
+
+
 def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: bool = False,
               hugepages: bool = True, **kwargs) -> nn.Module:
     """Replace, in place, every selected nn.Linear of `model` by the low-bit
@@ -200,9 +209,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         replace_everywhere(model, names, lin, layer)
     if config.bf16_gemv:
         bf16_gemv_(model)
-    if type(getattr(model, "config", None)).__module__.startswith("transformers."):
-        from .integrations.transformers import record_quant_config
-        record_quant_config(model, config)
+    record_for_transformers(model, config)
     placed = move_to_hugepages(model) if hugepages else None
     if progress:
         print(f"quantize_: {len(targets)} layers to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "

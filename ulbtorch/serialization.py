@@ -15,7 +15,8 @@ from torch import nn
 from . import ops
 from .formats import get_format
 from .hugepages import move_to_hugepages
-from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
+from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
+from .nn.replace import module_names, replace_everywhere
 
 MANIFEST = "ulbtorch.json"
 WEIGHTS = "model.safetensors"
@@ -48,6 +49,33 @@ def retile_for_this_cpu(layer: LowBitLinear) -> None:
             layer.packed = ops.retile(layer.packed, want)
 
 
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _layer_for(path: str, name: str, spec) -> LowBitLinear:
+    """The empty low-bit layer a manifest entry describes, its fields checked."""
+    want = dict(format=str, in_features=int, out_features=int, bias=bool, group_size=int, granularity=str)
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: layer {name!r}: expected an object with {sorted(want)}, got {spec!r}")
+    for key, typ in want.items():
+        v = spec.get(key)
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise ValueError(f"{path}: layer {name!r}: {key} must be a {typ.__name__}, got {v!r}")
+    if spec["format"] not in MODULE_FOR_FORMAT:
+        raise ValueError(f"{path}: layer {name!r} has unknown format {spec['format']!r}")
+    try:
+        return MODULE_FOR_FORMAT[spec["format"]](spec["in_features"], spec["out_features"], spec["bias"],
+                                                 format=spec["format"], group_size=spec["group_size"],
+                                                 granularity=spec["granularity"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: layer {name!r}: {e}") from None
+
+
 def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
     load all weights. `model` is the float architecture (e.g. from_config).
@@ -61,21 +89,28 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
         manifest = json.load(f)
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported ulbtorch checkpoint version {manifest.get('version')}")
-    for name, spec in manifest["layers"].items():
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"{path}: layer {name!r} does not exist in the model") from None
-        if spec["format"] not in MODULE_FOR_FORMAT:
-            raise ValueError(f"{path}: layer {name!r} has unknown format {spec['format']!r}")
-        if isinstance(old, nn.Linear) and (old.in_features, old.out_features) != (spec["in_features"], spec["out_features"]):
+    weights = os.path.join(directory, WEIGHTS)
+    if not os.path.exists(weights):
+        raise FileNotFoundError(f"{weights} not found: the directory has {MANIFEST} but not the weights it lists")
+    on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise ValueError(f"load_quantized copies into the model's tensors, but {on_meta[:3]} are on the meta "
+                         "device; build the model on the CPU (e.g. AutoModelForCausalLM.from_config(config))")
+    # Every layer is checked before any is swapped: a failed load leaves the model as it was.
+    swaps = [(name, model.get_submodule(name) if _has_submodule(model, name) else None, _layer_for(path, name, spec))
+             for name, spec in manifest["layers"].items()]
+    for name, old, new in swaps:
+        if old is None:
+            raise ValueError(f"{path}: layer {name!r} does not exist in the model")
+        if not isinstance(old, (nn.Linear, LowBitLinear)):
+            raise ValueError(f"{path}: layer {name!r} is a {type(old).__name__} in the model, not a linear layer")
+        if (old.in_features, old.out_features) != (new.in_features, new.out_features):
             raise ValueError(f"{path}: layer {name!r} is {old.in_features}->{old.out_features} in the model "
-                             f"but {spec['in_features']}->{spec['out_features']} in the checkpoint")
-        cls = MODULE_FOR_FORMAT[spec["format"]]
-        new = cls(spec["in_features"], spec["out_features"], spec["bias"], format=spec["format"],
-                  group_size=spec["group_size"], granularity=spec["granularity"])
-        replace_module(model, name, new)
-    missing, unexpected = load_model(model, os.path.join(directory, WEIGHTS), strict=False)
+                             f"but {new.in_features}->{new.out_features} in the checkpoint")
+    names = module_names(model)
+    for name, old, new in swaps:
+        replace_everywhere(model, names, old, new)  # a layer used at two places, at both
+    missing, unexpected = load_model(model, weights, strict=False)
     missing, unexpected = sorted(missing), sorted(unexpected)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         missing = [k for k in missing if not k.endswith("lm_head.weight")]  # saved once, as the embedding

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn import MODULE_FOR_FORMAT, replace_module
-from ..nn.replace import name_selected, patterns
-from ..quantize import LM_HEAD
+from ..nn import MODULE_FOR_FORMAT
+from ..nn.replace import module_names, name_selected, patterns, replace_everywhere
+from ..quantize import LM_HEAD, QuantConfig, record_for_transformers
 
 GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
 
@@ -97,9 +97,13 @@ def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tupl
     fnmatch patterns on module names, as in quantize_; exclude wins."""
     include, exclude = patterns(include, "include"), patterns(exclude, "exclude")
     chosen = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and name_selected(n, include, exclude)]
+    names = module_names(model)
     for name, lin in chosen:
         codes, scales, fmt = pack_grid_weight(lin.weight, bits, name + ".weight")
         layer = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, bias=lin.bias,
                                                   granularity="channel")
-        replace_module(model, name, layer)
+        replace_everywhere(model, names, lin, layer)  # a layer used at two places, at both
+    if chosen:  # so that save_pretrained writes a checkpoint from_pretrained loads packed
+        record_for_transformers(model, QuantConfig(format=GRID_FORMATS[bits], include=list(include),
+                                                   exclude=list(exclude), bf16_gemv=False))
     return model
