@@ -672,3 +672,17 @@ def test_autocast_fp16_compiled(gen):
         y_comp = torch.compile(layer, fullgraph=True)(x)
     assert y_comp.dtype == torch.float16
     torch.testing.assert_close(y_comp, y, rtol=0, atol=1e-2 * y.abs().max().item())
+
+
+def test_load_state_dict_takes_a_strided_blob(gen):
+    """Copied in like any tensor (nn.Linear takes strided weights); it was
+    refused as 'not contiguous'."""
+    _, layer = _layer(gen)
+    _, other = _layer(gen)
+    blob = other.packed
+    strided = torch.stack([blob, torch.zeros_like(blob)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    layer.load_state_dict({"packed": strided, "bias": other.bias})
+    assert layer.packed.is_contiguous() and torch.equal(layer.packed, blob)
+    x = torch.randn(2, K_IN, generator=gen)
+    assert torch.equal(layer(x), other(x))

@@ -329,7 +329,8 @@ class LowBitLinear(nn.Module):
         key = prefix + "packed"
         if key in state_dict:
             blob = state_dict[key]
-            why = self.packed_mismatch(blob)
+            # A strided blob is copied in like any tensor; its bytes are checked in order.
+            why = self.packed_mismatch(blob.contiguous() if isinstance(blob, torch.Tensor) else blob)
             if why:
                 error_msgs.append(f"{key}: {why}")
                 return
@@ -338,7 +339,7 @@ class LowBitLinear(nn.Module):
             # not through __setattr__). A blob of the right size is written in
             # place, so it stays where it is (ulbtorch.hugepages).
             if self.packed.shape != blob.shape or self.packed.is_meta:
-                self._buffers["packed"] = torch.empty_like(blob, device=self.packed.device)
+                self._buffers["packed"] = torch.empty(blob.shape, dtype=blob.dtype, device=self.packed.device)
             self._dequant_cache = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
@@ -356,7 +357,9 @@ class LowBitLinear(nn.Module):
                 and value.device.type != "meta" and not is_fake(value)):
             why = self.packed_mismatch(value)
             if why:
-                raise ValueError(f"{type(self).__name__}.packed: {why}")
+                raise ValueError(f"{type(self).__name__}.packed: {why}" + (
+                    " (transformers' from_pretrained sets this from uninitialised memory when the checkpoint "
+                    "lacks a layer's packed weight)" if "bad header" in why else ""))
             self._dequant_cache = None
         super().__setattr__(name, value)
 
