@@ -30,11 +30,12 @@ def op_cases(codes, scales, packed, x):
                              (x[:1].bfloat16(), torch.randn(40, 70).bfloat16(), torch.randn(40).bfloat16())),
         "quantize_act": (torch.ops.ulb.quantize_act.default, (x, packed)),
         "int_dots": (torch.ops.ulb.int_dots.default, (packed, xq, xsum)),
+        "dequantize_packed": (torch.ops.ulb.dequantize_packed.default, (packed, 40, 70)),
     }
 
 
 @pytest.mark.parametrize("name", ["pack", "unpack", "retile", "packed_info", "linear_fp32", "linear_bf16_x_bias",
-                                  "linear_bf16_gemv", "quantize_act", "int_dots"])
+                                  "linear_bf16_gemv", "quantize_act", "int_dots", "dequantize_packed"])
 def test_opcheck(blob_and_inputs, name):
     op, args = op_cases(*blob_and_inputs)[name]
     result = opcheck(op, args)
@@ -93,3 +94,21 @@ def test_compiled_dequantize_matches_eager(fmt, K, group_size):
     torch._dynamo.reset()
     compiled = torch.compile(ulbtorch.ops.dequantize, fullgraph=True)(codes, scales, fmt, group_size)
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("cls,gs", [("Linear8Bit", 0), ("Linear1Bit", 0), ("Linear2Bit", 32)])
+def test_exported_reference_path_saves_and_loads(tmp_path, cls, gs):
+    """An ExportedProgram of a layer on the reference path (force_reference,
+    or any device but the CPU) loads back and runs: with per-channel scales
+    it failed in torch.export.load ("expected no unbacked symbols"), from
+    unpack's data-dependent group count pinned to 1."""
+    layer = getattr(ulbtorch.nn, cls).from_linear(torch.nn.Linear(128, 96), group_size=gs)
+    layer.force_reference = True
+    x = torch.randn(3, 128)
+    path = tmp_path / "layer.pt2"
+    torch.export.save(torch.export.export(layer, (x,)), path)
+    loaded = torch.export.load(path).module()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), layer(x))
+    with pytest.raises(ValueError, match="the packed weight is 96x128, not 96x64"):
+        torch.ops.ulb.dequantize_packed(layer.packed, 96, 64)

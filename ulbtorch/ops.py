@@ -263,6 +263,25 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, 
     return levels * s
 
 
+@torch.library.custom_op("ulb::dequantize_packed", mutates_args=())
+def dequantize_packed(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """dequantize() of a packed weight whose shape the caller knows: one op
+    of static output size for compiled graphs and exported programs, where
+    unpack's sizes (read from the blob) are data-dependent and an exported
+    program that pins them does not load back (torch.export.load)."""
+    info = packed_info(packed)
+    if (info["out_features"], info["in_features"]) != (out_features, in_features):
+        raise ValueError(f"ulb.dequantize_packed: the packed weight is {info['out_features']}x{info['in_features']}, "
+                         f"not {out_features}x{in_features}")
+    codes, scales = unpack(packed)
+    return dequantize(codes, scales, info["format"], info["group_size"]).to(packed.device)
+
+
+@dequantize_packed.register_fake
+def _dequantize_packed_fake(packed, out_features, in_features):
+    return packed.new_empty((out_features, in_features), dtype=torch.float32)
+
+
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernels compute, in plain PyTorch: int8-quantised activations
     times the dequantised weight, output in the input's dtype."""

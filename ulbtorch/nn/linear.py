@@ -231,6 +231,8 @@ class LowBitLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the kernel effectively multiplies by."""
+        if torch.compiler.is_compiling():
+            return torch.ops.ulb.dequantize_packed(self.packed, self.out_features, self.in_features)
         codes, scales = self.unpack()
         return ops.dequantize(codes, scales, self.format, self.group_size)
 
