@@ -4,6 +4,7 @@ that defines what every kernel computes."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -159,6 +160,7 @@ def preferred_tiles(format: str | Format) -> str:
     return TILE_ORDERS[_lib.ulb_tiles_preferred(get_format(format).id)]
 
 
+@functools.cache  # constants of the kernel library
 def shape_limits() -> tuple[int, int]:
     """(largest out_features, largest in_features) a packed weight holds:
     2^26 and 2^16; up to 2^16 inputs every kernel's int32 sums stay exact."""

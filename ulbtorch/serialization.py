@@ -49,14 +49,6 @@ def retile_for_this_cpu(layer: LowBitLinear) -> None:
             layer.packed = ops.retile(layer.packed, want)
 
 
-def _has_submodule(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
-
-
 def _layer_for(path: str, name: str, spec) -> LowBitLinear:
     """The empty low-bit layer a manifest entry describes, its fields checked."""
     want = dict(format=str, in_features=int, out_features=int, bias=bool, group_size=int, granularity=str)
@@ -97,8 +89,8 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
         raise ValueError(f"load_quantized copies into the model's tensors, but {on_meta[:3]} are on the meta "
                          "device; build the model on the CPU (e.g. AutoModelForCausalLM.from_config(config))")
     # Every layer is checked before any is swapped: a failed load leaves the model as it was.
-    swaps = [(name, model.get_submodule(name) if _has_submodule(model, name) else None, _layer_for(path, name, spec))
-             for name, spec in manifest["layers"].items()]
+    here = dict(model.named_modules(remove_duplicate=False))
+    swaps = [(name, here.get(name), _layer_for(path, name, spec)) for name, spec in manifest["layers"].items()]
     for name, old, new in swaps:
         if old is None:
             raise ValueError(f"{path}: layer {name!r} does not exist in the model")

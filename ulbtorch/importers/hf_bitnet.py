@@ -19,8 +19,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..nn import LinearBF16, LinearTernary, bf16_gemv_, replace_module
-from ..quantize import QuantConfig, record_for_transformers
+from ..nn import LinearTernary, bf16_gemv_, replace_module
+from ..quantize import QuantConfig, linear_layers, record_for_transformers
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")
@@ -175,8 +175,7 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
         bf16_gemv_(model)
     # ulbtorch's own config, so that save_pretrained writes a checkpoint from_pretrained loads packed
     record_for_transformers(model, QuantConfig(format="ternary", granularity="tensor",
-                                               exclude=sorted(n for n, m in model.named_modules()
-                                                              if type(m) in (nn.Linear, LinearBF16)),
+                                               exclude=[n for n, _ in linear_layers(model, lambda n: True)],
                                                bf16_gemv=bf16_gemv))
     return model.eval()
 

@@ -55,18 +55,17 @@ class _KernelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         layer, packed = ctx.layer, ctx.packed
+        if ctx.packed_version is not None and packed._version != ctx.packed_version:
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: the packed weight of a {type(layer).__name__} (version "
+                               f"{packed._version}, {ctx.packed_version} at the forward pass)")
         # Dequantised afresh each time: caching fp32 weights would hold 16x the
         # packed bytes of every layer for as long as training runs. (A graph
         # compiled from the layer reads its buffer as of the forward pass.)
-        w = None
-        if ctx.packed_version is not None:
-            if packed._version != ctx.packed_version:
-                raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
-                                   f"inplace operation: the packed weight of a {type(layer).__name__} (version "
-                                   f"{packed._version}, {ctx.packed_version} at the forward pass)")
-            if layer._buffers["packed"] is not packed:
-                w = ops.dequantize(*ops.unpack(packed), layer.format, layer.group_size)
-        w = layer.dequantize() if w is None else w
+        if ctx.packed_version is None or layer._buffers["packed"] is packed:
+            w = layer.dequantize()
+        else:  # a blob put in the layer's place since
+            w = ops.dequantize_packed(packed, layer.out_features, layer.in_features)
         gx = (gy.float() @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         gb = gy.reshape(-1, gy.shape[-1]).float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
         return gx, gb, None
