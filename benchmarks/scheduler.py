@@ -142,9 +142,9 @@ def _trace_row(i: int, t: float, st: dict) -> dict:
                 ratio0=st["ratio"][0] if one else None, ratio1=st["ratio"][1] if two else None)
 
 
-def _summary(ts: list[float], st: dict | None) -> dict:
+def _summary(ts: list[float], st: dict) -> dict:
     q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
-    two = st is not None and st["nthreads"] >= 2
+    two = st["nthreads"] >= 2
     return dict(median_us=1e6 * statistics.median(ts), mean_us=1e6 * statistics.fmean(ts), p10_us=1e6 * q[0],
                 p90_us=1e6 * q[-1], ratio1=st["ratio"][1] if two else float("nan"),
                 panels1=st["last_panels"][1] if two else None)
@@ -182,10 +182,9 @@ def run_scenario(r: Runner, *, slowdown: float, calls: int, warmup: int, trace: 
         gains.append(med["static"] / med["dynamic"])
         rnd += 1
     runtime.scheduler_static(False)
-    res = {split: _summary(ts[split], last[split] if split == "dynamic" else None) for split in ts}
+    res = {split: _summary(ts[split], last[split]) for split in ts}
     res["dynamic"]["trace"] = rows
     res["dynamic"]["gain_rounds"] = statistics.median(gains)
-    res["static"]["panels1"] = last["static"]["last_panels"][1] if last["static"]["nthreads"] >= 2 else None
     return res
 
 
