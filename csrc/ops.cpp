@@ -392,7 +392,8 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_lut1_enable), reinterpret_cast<const void *>(&ulb_lut1_enabled),
     reinterpret_cast<const void *>(&ulb_lut1_available), reinterpret_cast<const void *>(&ulb_prefetch_get),
     reinterpret_cast<const void *>(&ulb_prefetch_set), reinterpret_cast<const void *>(&ulb_prefetch_resolve),
-    reinterpret_cast<const void *>(&ulb_read_probe_streams), reinterpret_cast<const void *>(&ulb_shape_limits)};
+    reinterpret_cast<const void *>(&ulb_read_probe_streams), reinterpret_cast<const void *>(&ulb_shape_limits),
+    reinterpret_cast<const void *>(&ulb_spin_us)};
 
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {

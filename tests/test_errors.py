@@ -627,6 +627,16 @@ def test_bad_spin_time_warns_and_workers_still_sleep(value):
     assert float(out.stdout.split()[-1]) < 0.1, out.stdout  # asleep, not spinning (0.3 s if spinning)
 
 
+@pytest.mark.parametrize("value", ["0", "50", "1e6", "2.5e1"])
+def test_good_spin_time_is_taken_without_a_warning(value):
+    code = ("import ctypes, ulbtorch; from ulbtorch import runtime; ok = ctypes.c_int(0); "
+            "print(runtime._lib.ulb_spin_us(ctypes.byref(ok)), ok.value)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, ULB_SPIN_US=value))
+    assert out.returncode == 0 and "ULB_SPIN_US" not in out.stderr, out.stderr
+    assert out.stdout.split() == [repr(float(value)), "1"]
+
+
 def test_meta_input_to_a_module_gives_the_output_shape():
     """Shape inference on meta inputs runs the reference path; its bias
     followed the module's device and the call failed with a device clash."""

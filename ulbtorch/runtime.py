@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import warnings
 
 from . import _C
@@ -30,6 +29,8 @@ class _SchedStats(ctypes.Structure):
 _lib.ulb_packed_nbytes.restype = ctypes.c_int64
 _lib.ulb_packed_nbytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
 _lib.ulb_shape_limits.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+_lib.ulb_spin_us.restype = ctypes.c_double
+_lib.ulb_spin_us.argtypes = [ctypes.POINTER(ctypes.c_int)]
 _lib.ulb_isa_active.restype = ctypes.c_int
 _lib.ulb_isa_supported.argtypes = [ctypes.c_int]
 _lib.ulb_tiles_preferred.argtypes = [ctypes.c_int]
@@ -170,18 +171,13 @@ _check_switch_env()
 
 
 def _check_spin_env() -> None:
-    """ULB_SPIN_US, read by the kernels' pool: a number of microseconds from
-    0 to 1e6, else the default (200)."""
-    value = os.environ.get("ULB_SPIN_US")
-    if value is None:
-        return
-    try:
-        ok = bool(re.fullmatch(r"[0-9.eE+-]+", value)) and 0.0 <= float(value) <= 1e6
-    except ValueError:
-        ok = False
-    if not ok:
-        warnings.warn(f"ULB_SPIN_US={value!r} is not a number of microseconds from 0 to 1e6; the ulb pool's "
-                      "workers spin the default 200", RuntimeWarning, stacklevel=2)
+    """ULB_SPIN_US, read by the kernels' pool (ulb_spin_us): say so of a
+    value it does not accept."""
+    accepted = ctypes.c_int(1)
+    spin = _lib.ulb_spin_us(ctypes.byref(accepted))
+    if not accepted.value:
+        warnings.warn(f"ULB_SPIN_US={os.environ.get('ULB_SPIN_US')!r} is not a number of microseconds from 0 to "
+                      f"1e6; the ulb pool's workers spin the default {spin:g}", RuntimeWarning, stacklevel=2)
 
 
 _check_spin_env()

@@ -162,20 +162,31 @@ static void after_fork_child(void) {
 }
 
 /* ULB_SPIN_US: 0 to 1e6 microseconds; anything else (empty, not a number,
- * inf, which would spin for ever) is the default, 200, and runtime.py warns. */
+ * inf, which would spin for ever) is the default, 200 (ulb_spin_us says so). */
 #define SPIN_US_DEFAULT 200.0
 #define SPIN_US_MAX 1e6
-static double spin_us_from_env(const char *env) {
-    if (!env || !*env || strspn(env, "0123456789.eE+-") != strlen(env)) return SPIN_US_DEFAULT;
+static int spin_us_from_env(const char *env, double *us) {
+    *us = SPIN_US_DEFAULT;
+    if (!env) return 1;
+    if (!*env || strspn(env, "0123456789.eE+-") != strlen(env)) return 0;
     char *end;
     const double v = strtod(env, &end);
-    return end != env && *end == '\0' && v >= 0.0 && v <= SPIN_US_MAX ? v : SPIN_US_DEFAULT;
+    if (end == env || *end != '\0' || !(v >= 0.0 && v <= SPIN_US_MAX)) return 0;
+    *us = v;
+    return 1;
 }
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static int spin_env_accepted;
 static void pool_init(void) {
-    pool.spin_us = spin_us_from_env(getenv("ULB_SPIN_US"));
+    spin_env_accepted = spin_us_from_env(getenv("ULB_SPIN_US"), &pool.spin_us);
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+double ulb_spin_us(int *env_accepted) {
+    pthread_once(&pool_once, pool_init);
+    if (env_accepted) *env_accepted = spin_env_accepted;
+    return pool.spin_us;
 }
 
 /* Returns how many threads can take part (>= 1). */
