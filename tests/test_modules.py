@@ -1,5 +1,7 @@
 """Linear1Bit / LinearTernary / Linear2Bit as nn.Modules: numerics against the
 pure-PyTorch reference, serialisation, dtypes and shapes."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -635,6 +637,22 @@ def test_quantize_warns_when_nothing_is_converted():
     with pytest.warns(UserWarning, match="no layer converted.*1 plain nn.Linear"):
         ulbtorch.quantize_(model, bits=2, include=["nothing.*"])
     assert type(model[0]) is torch.nn.Linear
+
+
+def test_quantize_names_the_linear_subclasses_it_leaves_in_float():
+    """Subclasses of nn.Linear are never converted (MultiheadAttention reads
+    its out_proj's weight without calling it); they were skipped silently."""
+    class LoRALinear(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), LoRALinear(64, 64), torch.nn.MultiheadAttention(64, 2))
+    with pytest.warns(UserWarning, match=r"nn.Linear subclasses stay in float.*: .*LoRALinear: 1 \(1\); "
+                                         r"NonDynamicallyQuantizableLinear: 2.out_proj \(1\)"):
+        ulbtorch.quantize_(model, bits=2)
+    assert isinstance(model[0], Linear2Bit) and type(model[1]) is LoRALinear
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64), LoRALinear(64, 64)), bits=2, exclude=["1"])
 
 
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)

@@ -170,6 +170,21 @@ def record_for_transformers(model: nn.Module, config: QuantConfig) -> None:
         record_quant_config(model, config)
 
 
+def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
+    """Subclasses of nn.Linear may compute something else from their weight
+    (LoRA, nn.MultiheadAttention's out_proj, which it never calls): they stay
+    in float, and a user who selected them is told so."""
+    skipped = {}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and type(m) not in (nn.Linear, LinearBF16) and config.selects(n):
+            skipped.setdefault(type(m).__qualname__, []).append(n)
+    if skipped:
+        listed = "; ".join(f"{t}: {', '.join(ns[:3])}{', ...' if len(ns) > 3 else ''} ({len(ns)})"
+                           for t, ns in skipped.items())
+        warnings.warn(f"quantize_: layers of nn.Linear subclasses stay in float (only plain nn.Linear is "
+                      f"converted): {listed}; exclude them to silence this", stacklevel=3)
+
+
 def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: bool = False,
               hugepages: bool = True, **kwargs) -> nn.Module:
     """Replace, in place, every selected nn.Linear of `model` by the low-bit
@@ -190,6 +205,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
                       f"layers and include={config.include} / exclude={config.exclude} select none of them (layers "
                       "of other types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)",
                       stacklevel=2)
+    _warn_linear_subclasses(model, config)
     names = module_names(model)
     float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
     packed_bytes = 0
