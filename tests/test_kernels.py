@@ -5,6 +5,9 @@ import ctypes
 import functools
 import os
 import platform
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import pytest
@@ -231,6 +234,31 @@ def test_int_dots_extremes_at_max_k(form):
             for isa in KERNELS:
                 with use_kernels(isa):
                     assert torch.equal(torch.ops.ulb.int_dots(blob, xq, xsum), want), (isa, code, N)
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="the AMX GEMM serves int_dots only where AMX runs")
+def test_int_dots_scratch_is_sized_by_the_tokens_given():
+    """int_dots sized its per-panel sums for the GEMM kernel's 128 tokens
+    whatever N was: 512 MiB of address space for 16 tokens of int8 with
+    groups of 4 at K = 65536, where 64 MiB serve. Run under an address-space
+    limit 384 MiB above what the process holds."""
+    code = textwrap.dedent("""
+        import resource, torch, ulbtorch
+        from ulbtorch import ops, runtime
+        K, gs = 65536, 4
+        blob = ops.pack(torch.randint(0, 255, (1, K), dtype=torch.uint8), torch.ones(1, K // gs), "int8", gs)
+        xq, _, xsum = torch.ops.ulb.quantize_act(torch.randn(16, K), blob)
+        with runtime.use_isa("scalar"):
+            want = torch.ops.ulb.int_dots(blob, xq, xsum)
+        held = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (held + (384 << 20), resource.RLIM_INFINITY))
+        with runtime.use_isa("amx"):
+            assert torch.equal(torch.ops.ulb.int_dots(blob, xq, xsum), want)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], out.stderr[-2000:]
 
 
 # ---- activations, dtypes and layouts ------------------------------------------------------------

@@ -363,7 +363,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     const int lut = lut1_build != NULL;
     /* Tokens per kernel call; with a GEMM kernel a copy of xq as it reads it
      * (xq_bytes_for) and its scratch. */
-    const int64_t nb_max = gemm ? gemm->tokens : ULB_NB_MAX;
+    const int64_t nb_max = gemm ? (N < gemm->tokens ? N : gemm->tokens) : ULB_NB_MAX;
     const size_t pd_bytes = (size_t)ulb_round_up(nb_max * G * ULB_PANEL_ROWS * (int64_t)sizeof(int32_t), 64);
     const size_t facc_bytes = (size_t)(nb_max * ULB_PANEL_ROWS) * sizeof(float);
     const size_t lut_bytes = lut ? (size_t)(N * w.ksteps * ULB_LUT1_STEP_BYTES) : 0;
