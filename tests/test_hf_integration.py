@@ -1,6 +1,7 @@
 """transformers quantization method "ulb" and the BitNet conversion after
 transformers' own from_pretrained."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -290,3 +291,61 @@ def test_prequantized_1bit_checkpoint_loads_in_this_cpus_tile_order(float_dir, t
     assert ops.packed_info(new)["tiles"] == loaded_as
     assert all(torch.equal(a, b) for a, b in zip(ops.unpack(old), ops.unpack(new)))
     assert torch.equal(again(ids).logits, logits)
+
+
+def _falcon(dtype=torch.float32):
+    from transformers import FalconConfig
+    torch.manual_seed(0)
+    cfg = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=300,
+                       new_decoder_architecture=True, num_kv_heads=2)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()  # not .to(dtype): that casts the rotary buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_falcon_linear_layers_convert_and_save_pretrained_reloads(tmp_path, dtype):
+    """Falcon's layers are FalconLinear, an nn.Linear subclass computing
+    input @ W.T + b; they stayed float (silently, once lm_head_bits converted
+    the head), so a "2-bit" Falcon was a float one."""
+    model = _falcon(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ulbtorch.quantize_(model, bits=2, group_size=32)
+    attn = model.transformer.h[0].self_attention
+    assert isinstance(attn.query_key_value, Linear2Bit) and isinstance(attn.dense, Linear2Bit)
+    assert isinstance(model.transformer.h[0].mlp.dense_4h_to_h, Linear2Bit)
+    ids = torch.randint(0, 300, (1, 6))
+    with torch.no_grad():
+        logits = model(ids).logits
+        for m in model.modules():
+            if isinstance(m, Linear2Bit):
+                m.force_reference = True
+        ref = model(ids).logits
+        for m in model.modules():
+            if isinstance(m, Linear2Bit):
+                m.force_reference = False
+    torch.testing.assert_close(logits.float(), ref.float(), atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
+    _reloads_bit_exact(model, tmp_path)
+
+
+def test_quantize_warns_that_fused_experts_stay_float():
+    """transformers 5 keeps MoE experts as 3-D parameters, not nn.Linear:
+    most of a MoE model's bytes stayed float without a word."""
+    from transformers import MixtralConfig
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.warns(UserWarning, match=r"experts of mixture-of-experts layers stay in float: 4 fused expert "
+                                         r"weights \(\d+% .*model.layers.0.mlp.experts.gate_up_proj"):
+        ulbtorch.quantize_(model, bits=2)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Linear2Bit)
+    with warnings.catch_warnings():  # an exclude that leaves the experts out says nothing
+        warnings.simplefilter("error")
+        ulbtorch.quantize_(AutoModelForCausalLM.from_config(cfg), bits=2, exclude=["lm_head", "*.experts"])
+
+
+
+def test_falcon_quantized_on_load_through_ulbconfig(tmp_path):
+    _falcon(torch.bfloat16).save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=UlbConfig(bits=2))
+    assert isinstance(model.transformer.h[1].self_attention.query_key_value, Linear2Bit)
+    _reloads_bit_exact(model, tmp_path / "packed")

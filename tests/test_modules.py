@@ -639,6 +639,32 @@ def test_quantize_warns_when_nothing_is_converted():
     assert type(model[0]) is torch.nn.Linear
 
 
+def test_quantize_twice_says_the_model_is_quantized_already():
+    model = ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)), bits=2)
+    with pytest.warns(UserWarning, match=r"quantized already \(1 low-bit layers: int2_sym \(group size 0\)\); "
+                                         "quantize_ converts float layers only"):
+        ulbtorch.quantize_(model, bits=4)
+    assert isinstance(model[0], Linear2Bit)
+
+
+def test_quantize_that_fails_at_one_layer_changes_no_layer():
+    """A layer that cannot be packed (too wide) left the layers before it
+    converted and the rest float."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(65600, 4))
+    with pytest.raises(ValueError, match="layer '2': in_features=65600"):
+        ulbtorch.quantize_(model, bits=2)
+    assert [type(m) for m in model] == [torch.nn.Linear] * 3
+
+
+def test_quantize_of_a_model_on_meta_says_so():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"2 of the 2 selected layers are on the meta device .*'0': load the float "
+                                         "weights first") as e:
+        ulbtorch.quantize_(model, bits=2)
+    assert "exclude" not in str(e.value) and type(model[0]) is torch.nn.Linear
+
+
 def test_quantize_names_the_linear_subclasses_it_leaves_in_float():
     """Subclasses of nn.Linear are never converted (MultiheadAttention reads
     its out_proj's weight without calling it); they were skipped silently."""

@@ -8,8 +8,8 @@ from torch import nn
 
 from .formats import FORMATS
 from .hugepages import move_to_hugepages
-from .nn import MODULE_FOR_FORMAT, LinearBF16, bf16_gemv_
-from .nn.replace import module_names, name_selected, patterns, replace_everywhere
+from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
+from .nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 from .runtime import _check_bool
 
@@ -27,9 +27,11 @@ def _format_for_bits(bits) -> str:
 
 
 def linear_layers(model: nn.Module, selects) -> list[tuple[str, nn.Linear]]:
-    """The plain nn.Linear layers (and LinearBF16, a plain one on the bf16
-    GEMV) whose names `selects`; other subclasses of nn.Linear are left alone."""
-    return [(n, m) for n, m in model.named_modules() if type(m) in (nn.Linear, LinearBF16) and selects(n)]
+    """The plain nn.Linear layers (nn.replace.is_plain_linear, and LinearBF16,
+    a plain one on the bf16 GEMV) whose names `selects`; other subclasses of
+    nn.Linear are left alone."""
+    return [(n, m) for n, m in model.named_modules()
+            if (is_plain_linear(m) or type(m) is LinearBF16) and selects(n)]
 
 
 @dataclass
@@ -170,13 +172,44 @@ def record_for_transformers(model: nn.Module, config: QuantConfig) -> None:
         record_quant_config(model, config)
 
 
+def _warn_nothing_converted(model: nn.Module, config: QuantConfig) -> None:
+    low = [m for m in model.modules() if isinstance(m, LowBitLinear)]
+    if low:
+        formats = sorted({f"{m.format} (group size {m.group_size})" for m in low})
+        warnings.warn(f"quantize_: no layer converted: the model is quantized already ({len(low)} low-bit layers: "
+                      f"{', '.join(formats)}); quantize_ converts float layers only, so to change the format start "
+                      "again from the float model", stacklevel=3)
+        return
+    plain = len(linear_layers(model, lambda n: True))
+    warnings.warn(f"quantize_: no layer converted: the model has {plain} plain nn.Linear (or LinearBF16) "
+                  f"layers and include={config.include} / exclude={config.exclude} select none of them (layers "
+                  "of other types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)",
+                  stacklevel=3)
+
+
+def _warn_fused_experts(model: nn.Module, config: QuantConfig) -> None:
+    """transformers 5 keeps a mixture-of-experts layer's experts as 3-D
+    parameters of one module (experts.gate_up_proj: experts x out x in),
+    not as nn.Linear layers: quantize_ leaves them in float, often most of
+    the model's bytes."""
+    fused = [(f"{n}.{p}" if n else p, t) for n, m in model.named_modules() if config.selects(n)
+             and isinstance(getattr(m, "num_experts", None), int)
+             for p, t in m.named_parameters(recurse=False) if t.dim() == 3 and t.is_floating_point()]
+    if fused:
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        share = nbytes(t for _, t in fused) / max(1, nbytes(model.parameters()))
+        warnings.warn(f"quantize_: the experts of mixture-of-experts layers stay in float: {len(fused)} fused "
+                      f"expert weights ({share:.0%} of the model's parameter bytes), e.g. {fused[0][0]}; ulbtorch "
+                      "converts linear layers only", stacklevel=3)
+
+
 def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
     """Subclasses of nn.Linear may compute something else from their weight
     (LoRA, nn.MultiheadAttention's out_proj, which it never calls): they stay
     in float, and a user who selected them is told so."""
     skipped = {}
     for n, m in model.named_modules():
-        if isinstance(m, nn.Linear) and type(m) not in (nn.Linear, LinearBF16) and config.selects(n):
+        if isinstance(m, nn.Linear) and not is_plain_linear(m) and type(m) is not LinearBF16 and config.selects(n):
             skipped.setdefault(type(m).__qualname__, []).append(n)
     if skipped:
         listed = "; ".join(f"{t}: {', '.join(ns[:3])}{', ...' if len(ns) > 3 else ''} ({len(ns)})"
@@ -200,29 +233,34 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
     targets = config.targets(model)
     if not targets:
-        plain = len(linear_layers(model, lambda n: True))
-        warnings.warn(f"quantize_: no layer converted: the model has {plain} plain nn.Linear (or LinearBF16) "
-                      f"layers and include={config.include} / exclude={config.exclude} select none of them (layers "
-                      "of other types, such as GPT-2's Conv1D or nn.Linear subclasses, are never converted)",
-                      stacklevel=2)
+        _warn_nothing_converted(model, config)
+    on_meta = [n for n, lin, _ in targets if lin.weight.is_meta]
+    if on_meta:
+        raise ValueError(f"quantize_: the weights of {len(on_meta)} of the {len(targets)} selected layers are on the "
+                         f"meta device (no values), e.g. {on_meta[0]!r}: load the float weights first "
+                         "(from_pretrained, or to_empty() and load_state_dict)")
     _warn_linear_subclasses(model, config)
+    _warn_fused_experts(model, config)
     names = module_names(model)
     float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
-    packed_bytes = 0
     if progress:
         try:
             from tqdm.auto import tqdm
             targets = tqdm(targets, desc=f"quantize_ {config.format}", unit="layer")
         except ImportError:
             pass
+    # Every layer built before any is swapped: a layer that cannot be packed
+    # leaves the model as it was.
+    built = []
     for name, lin, cfg in targets:
         try:
-            layer = MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
-                                                              **cfg.layer_args(lin.in_features))
+            built.append((lin, MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
+                                                                         **cfg.layer_args(lin.in_features))))
         except ValueError as e:
             raise ValueError(f"quantize_: layer {name!r}: {e}; exclude=[..., {name!r}] keeps it in float") from e
-        packed_bytes += layer.packed.numel()
+    for lin, layer in built:
         replace_everywhere(model, names, lin, layer)
+    packed_bytes = sum(layer.packed.numel() for _, layer in built)
     if config.bf16_gemv:
         bf16_gemv_(model)
     record_for_transformers(model, config)

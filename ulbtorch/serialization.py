@@ -16,7 +16,7 @@ from . import ops
 from .formats import get_format
 from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
-from .nn.replace import module_names, replace_everywhere
+from .nn.replace import is_plain_linear, module_names, replace_everywhere
 
 MANIFEST = "ulbtorch.json"
 WEIGHTS = "model.safetensors"
@@ -118,7 +118,7 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
         here = dict(model.named_modules(remove_duplicate=False))
         # bf16_gemv_ takes only bf16 layers: a model built in another dtype keeps these on F.linear.
         skipped = [f"{n} ({str(here[n].weight.dtype).removeprefix('torch.')})"
-                   for n in gemv if type(here.get(n)) is nn.Linear]
+                   for n in gemv if is_plain_linear(here.get(n))]
         if skipped:
             warnings.warn(f"load_quantized: {', '.join(skipped)} left on F.linear: the saved model ran these "
                           "layers in bf16 on ulbtorch's bf16 GEMV (nn.LinearBF16), but their weights here are not "

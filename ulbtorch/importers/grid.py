@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..nn import MODULE_FOR_FORMAT
-from ..nn.replace import module_names, name_selected, patterns, replace_everywhere
+from ..nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from ..quantize import LM_HEAD, QuantConfig, record_for_transformers
 
 GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
@@ -96,7 +96,7 @@ def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tupl
     low-bit layer, in place, without re-quantising. include / exclude:
     fnmatch patterns on module names, as in quantize_; exclude wins."""
     include, exclude = patterns(include, "include"), patterns(exclude, "exclude")
-    chosen = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and name_selected(n, include, exclude)]
+    chosen = [(n, m) for n, m in model.named_modules() if is_plain_linear(m) and name_selected(n, include, exclude)]
     names = module_names(model)
     for name, lin in chosen:
         codes, scales, fmt = pack_grid_weight(lin.weight, bits, name + ".weight")

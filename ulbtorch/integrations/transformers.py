@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import warnings
 
-from torch import nn
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
-from ..nn.replace import name_selected, patterns
+from ..nn.replace import is_plain_linear, name_selected, patterns
 from ..quantize import LM_HEAD, QuantConfig, linear_layers, quantize_
 from ..runtime import _check_bool
 from ..serialization import retile_for_this_cpu
@@ -154,7 +153,7 @@ def _describes(model, config: QuantConfig) -> bool:
     head_cfg = config.head_config()
     out = getattr(model, "get_output_embeddings", lambda: None)()
     for name, m in model.named_modules():
-        if type(m) in (nn.Linear, LinearBF16):
+        if is_plain_linear(m) or type(m) is LinearBF16:
             have = None
         elif isinstance(m, LowBitLinear):
             have = (m.format, m.group_size)

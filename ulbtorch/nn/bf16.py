@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import runtime
-from .replace import module_names, name_selected, patterns, replace_everywhere
+from .replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 
 _linear_bf16 = torch.ops.ulb.linear_bf16.default
 _BIAS_DTYPES = (torch.float32, torch.bfloat16)
@@ -56,7 +56,7 @@ def bf16_gemv_(model: nn.Module, *, include: list[str] | None = None, exclude: l
     include = patterns(["*"] if include is None else include, "include")
     exclude = patterns([] if exclude is None else exclude, "exclude")
     targets = [(n, m) for n, m in model.named_modules()
-               if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and name_selected(n, include, exclude)]
+               if is_plain_linear(m) and m.weight.dtype == torch.bfloat16 and name_selected(n, include, exclude)]
     names = module_names(model)
     for name, lin in targets:
         replace_everywhere(model, names, lin, LinearBF16.from_linear(lin))

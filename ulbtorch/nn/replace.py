@@ -5,6 +5,20 @@ from collections import defaultdict
 from torch import nn
 
 
+# nn.Linear subclasses whose forward is F.linear's arithmetic, converted as
+# nn.Linear is. (Others may compute something else from the weight, or never
+# be called: nn.MultiheadAttention reads its out_proj's weight directly.)
+SAME_AS_LINEAR = frozenset({
+    "transformers.models.falcon.modeling_falcon.FalconLinear",  # input @ W.T, then + bias
+})
+
+
+def is_plain_linear(m: nn.Module) -> bool:
+    """nn.Linear itself, or a subclass in SAME_AS_LINEAR."""
+    t = type(m)
+    return t is nn.Linear or (issubclass(t, nn.Linear) and f"{t.__module__}.{t.__qualname__}" in SAME_AS_LINEAR)
+
+
 def patterns(value, what: str) -> list[str]:
     """include / exclude as a list of fnmatch patterns; one string is one
     pattern (iterating it would match every name against its characters)."""
