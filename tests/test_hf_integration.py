@@ -327,23 +327,6 @@ def test_falcon_linear_layers_convert_and_save_pretrained_reloads(tmp_path, dtyp
     _reloads_bit_exact(model, tmp_path)
 
 
-def test_quantize_warns_that_fused_experts_stay_float():
-    """transformers 5 keeps MoE experts as 3-D parameters, not nn.Linear:
-    most of a MoE model's bytes stayed float without a word."""
-    from transformers import MixtralConfig
-    cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.warns(UserWarning, match=r"experts of mixture-of-experts layers stay in float: 4 fused expert "
-                                         r"weights \(\d+% .*model.layers.0.mlp.experts.gate_up_proj"):
-        ulbtorch.quantize_(model, bits=2)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Linear2Bit)
-    with warnings.catch_warnings():  # an exclude that leaves the experts out says nothing
-        warnings.simplefilter("error")
-        ulbtorch.quantize_(AutoModelForCausalLM.from_config(cfg), bits=2, exclude=["lm_head", "*.experts"])
-
-
-
 def test_falcon_quantized_on_load_through_ulbconfig(tmp_path):
     _falcon(torch.bfloat16).save_pretrained(tmp_path / "float")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=UlbConfig(bits=2))

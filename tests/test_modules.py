@@ -659,7 +659,7 @@ def test_quantize_that_fails_at_one_layer_changes_no_layer():
 def test_quantize_of_a_model_on_meta_says_so():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-    with pytest.raises(ValueError, match=r"2 of the 2 selected layers are on the meta device .*'0': load the float "
+    with pytest.raises(ValueError, match=r"2 of the 2 selected weights are on the meta device .*'0': load the float "
                                          "weights first") as e:
         ulbtorch.quantize_(model, bits=2)
     assert "exclude" not in str(e.value) and type(model[0]) is torch.nn.Linear

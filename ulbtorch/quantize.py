@@ -9,6 +9,7 @@ from torch import nn
 from .formats import FORMATS
 from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
+from .nn.experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts
 from .nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 from .runtime import _check_bool
@@ -159,6 +160,13 @@ class QuantConfig:
         head_cfg = self.head_config()
         return main + [(n, m, head_cfg) for n, m in head]
 
+    def expert_targets(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+        """(module name, module, weight name) of every selected 3-D expert
+        weight of transformers' MoE layers (nn.experts): selected by the name
+        "<module>.<weight>", e.g. model.layers.0.mlp.experts.gate_up_proj."""
+        return [(n, m, p) for n, m in model.named_modules() if is_fused_experts(m)
+                for p in fused_weight_names(m) if self.selects(f"{n}.{p}" if n else p)]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -188,19 +196,19 @@ def _warn_nothing_converted(model: nn.Module, config: QuantConfig) -> None:
 
 
 def _warn_fused_experts(model: nn.Module, config: QuantConfig) -> None:
-    """transformers 5 keeps a mixture-of-experts layer's experts as 3-D
-    parameters of one module (experts.gate_up_proj: experts x out x in),
-    not as nn.Linear layers: quantize_ leaves them in float, often most of
-    the model's bytes."""
-    fused = [(f"{n}.{p}" if n else p, t) for n, m in model.named_modules() if config.selects(n)
-             and isinstance(getattr(m, "num_experts", None), int)
-             for p, t in m.named_parameters(recurse=False) if t.dim() == 3 and t.is_floating_point()]
+    """Mixture-of-experts modules that keep their experts as 3-D parameters
+    but are not transformers' experts modules (nn.experts) stay in float,
+    often most of the model's bytes: say so."""
+    fused = [(f"{n}.{p}" if n else p, t) for n, m in model.named_modules()
+             if isinstance(getattr(m, "num_experts", None), int) and not is_fused_experts(m)
+             for p, t in m.named_parameters(recurse=False)
+             if t.dim() == 3 and t.is_floating_point() and config.selects(f"{n}.{p}" if n else p)]
     if fused:
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         share = nbytes(t for _, t in fused) / max(1, nbytes(model.parameters()))
-        warnings.warn(f"quantize_: the experts of mixture-of-experts layers stay in float: {len(fused)} fused "
-                      f"expert weights ({share:.0%} of the model's parameter bytes), e.g. {fused[0][0]}; ulbtorch "
-                      "converts linear layers only", stacklevel=3)
+        warnings.warn(f"quantize_: {len(fused)} 3-D expert weights of mixture-of-experts layers stay in float "
+                      f"({share:.0%} of the model's parameter bytes), e.g. {fused[0][0]}: ulbtorch packs the experts "
+                      "of transformers' experts modules (use_experts_implementation) only", stacklevel=3)
 
 
 def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
@@ -218,6 +226,17 @@ def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
                       f"converted): {listed}; exclude them to silence this", stacklevel=3)
 
 
+def _convert(name: str, lin: nn.Linear, cfg: QuantConfig, exclude: str | None = None):
+    """The low-bit layer of cfg for lin; a ValueError names the layer and
+    the exclude pattern that keeps it in float."""
+    try:
+        return MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
+                                                         **cfg.layer_args(lin.in_features))
+    except ValueError as e:
+        raise ValueError(f"quantize_: layer {name!r}: {e}; exclude=[..., {exclude or name!r}] keeps it in "
+                         "float") from e
+
+
 def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: bool = False,
               hugepages: bool = True, **kwargs) -> nn.Module:
     """Replace, in place, every selected nn.Linear of `model` by the low-bit
@@ -232,17 +251,20 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     elif kwargs:
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
     targets = config.targets(model)
-    if not targets:
+    experts = config.expert_targets(model)
+    if not targets and not experts:
         _warn_nothing_converted(model, config)
-    on_meta = [n for n, lin, _ in targets if lin.weight.is_meta]
+    on_meta = [n for n, lin, _ in targets if lin.weight.is_meta] + [
+        f"{n}.{p}" for n, m, p in experts if getattr(m, p).is_meta]
     if on_meta:
-        raise ValueError(f"quantize_: the weights of {len(on_meta)} of the {len(targets)} selected layers are on the "
+        raise ValueError(f"quantize_: {len(on_meta)} of the {len(targets) + len(experts)} selected weights are on the "
                          f"meta device (no values), e.g. {on_meta[0]!r}: load the float weights first "
                          "(from_pretrained, or to_empty() and load_state_dict)")
     _warn_linear_subclasses(model, config)
     _warn_fused_experts(model, config)
     names = module_names(model)
-    float_bytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin, _ in targets)
+    float_bytes = sum(t.numel() * t.element_size() for t in [lin.weight for _, lin, _ in targets] + [
+        getattr(m, p) for _, m, p in experts])
     if progress:
         try:
             from tqdm.auto import tqdm
@@ -251,22 +273,25 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
             pass
     # Every layer built before any is swapped: a layer that cannot be packed
     # leaves the model as it was.
-    built = []
-    for name, lin, cfg in targets:
-        try:
-            built.append((lin, MODULE_FOR_FORMAT[cfg.format].from_linear(lin, format=cfg.format, method=cfg.method,
-                                                                         **cfg.layer_args(lin.in_features))))
-        except ValueError as e:
-            raise ValueError(f"quantize_: layer {name!r}: {e}; exclude=[..., {name!r}] keeps it in float") from e
+    built = [(lin, _convert(name, lin, cfg)) for name, lin, cfg in targets]
+    built_experts = {}  # experts module -> {weight name: a layer per expert}
+    for n, m, p in experts:
+        prefix = f"{n}.{p}" if n else p
+        built_experts.setdefault(m, {})[p] = [_convert(f"{prefix}.{e}", lin, config, exclude=prefix)
+                                              for e, lin in enumerate(expert_linears(m, p))]
     for lin, layer in built:
         replace_everywhere(model, names, lin, layer)
-    packed_bytes = sum(layer.packed.numel() for _, layer in built)
+    for m, layers in built_experts.items():
+        pack_experts(m, layers)
+    packed_bytes = sum(layer.packed.numel() for _, layer in built) + sum(
+        layer.packed.numel() for layers in built_experts.values() for per in layers.values() for layer in per)
     if config.bf16_gemv:
         bf16_gemv_(model)
     record_for_transformers(model, config)
     placed = move_to_hugepages(model) if hugepages else None
     if progress:
-        print(f"quantize_: {len(targets)} layers to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "
+        print(f"quantize_: {len(targets)} layers, {sum(map(len, built_experts.values()))} expert weights "
+              f"to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "
               f"{packed_bytes / 2**20:.1f} MiB ({(float_bytes - packed_bytes) / 2**20:.1f} MiB saved)")
         if placed is not None:
             print(f"quantize_: {placed}")

@@ -16,6 +16,7 @@ from . import ops
 from .formats import get_format
 from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
+from .nn.experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
 from .nn.replace import is_plain_linear, module_names, replace_everywhere
 
 MANIFEST = "ulbtorch.json"
@@ -68,6 +69,30 @@ def _layer_for(path: str, name: str, spec) -> LowBitLinear:
         raise ValueError(f"{path}: layer {name!r}: {e}") from None
 
 
+def _expert_groups(path: str, here: dict, layers: dict) -> list[tuple[nn.Module, str, list[str]]]:
+    """The manifest's layers that are experts of a transformers MoE module
+    (named "<experts module>.packed_<weight>.<expert>") whose weight the model holds
+    as a 3-D parameter: (module, weight name, layer names in expert order)."""
+    found = {}
+    for name in layers:
+        parsed = None if name in here else parse_expert_layer_name(name)
+        if parsed is None:
+            continue
+        module_name, weight, index = parsed
+        m = here.get(module_name)
+        if m is not None and is_fused_experts(m) and weight in fused_weight_names(m):
+            found.setdefault((module_name, weight), {})[index] = name
+    out = []
+    for (module_name, weight), per in found.items():
+        m = here[module_name]
+        n_experts = expert_shape(m, weight)[0]
+        if sorted(per) != list(range(n_experts)):
+            raise ValueError(f"{path}: {module_name}.{weight} holds {n_experts} experts in the model, but the "
+                             f"checkpoint lists experts {sorted(per)}")
+        out.append((m, weight, [per[e] for e in range(n_experts)]))
+    return out
+
+
 def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
     load all weights. `model` is the float architecture (e.g. from_config).
@@ -90,7 +115,21 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
                          "device; build the model on the CPU (e.g. AutoModelForCausalLM.from_config(config))")
     # Every layer is checked before any is swapped: a failed load leaves the model as it was.
     here = dict(model.named_modules(remove_duplicate=False))
-    swaps = [(name, here.get(name), _layer_for(path, name, spec)) for name, spec in manifest["layers"].items()]
+    layers = manifest.get("layers")
+    if not isinstance(layers, dict):
+        raise ValueError(f"{path}: 'layers' must be an object of layer name -> layer, got {type(layers).__name__}")
+    experts = _expert_groups(path, here, layers)
+    in_experts = {n for _, _, per in experts for n in per}
+    swaps = [(name, here.get(name), _layer_for(path, name, spec)) for name, spec in layers.items()
+             if name not in in_experts]
+    packed_experts = []
+    for m, p, per in experts:
+        _, in_f, out_f, _ = expert_shape(m, p)
+        packed_experts.append((m, p, [_layer_for(path, n, layers[n]) for n in per]))
+        for name, new in zip(per, packed_experts[-1][2]):
+            if (in_f, out_f) != (new.in_features, new.out_features):
+                raise ValueError(f"{path}: layer {name!r} is {in_f}->{out_f} in the model but "
+                                 f"{new.in_features}->{new.out_features} in the checkpoint")
     for name, old, new in swaps:
         if old is None:
             raise ValueError(f"{path}: layer {name!r} does not exist in the model")
@@ -102,6 +141,8 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
     names = module_names(model)
     for name, old, new in swaps:
         replace_everywhere(model, names, old, new)  # a layer used at two places, at both
+    for m, p, per in packed_experts:
+        pack_experts(m, {p: per})
     missing, unexpected = load_model(model, weights, strict=False)
     missing, unexpected = sorted(missing), sorted(unexpected)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):

@@ -16,6 +16,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
+from ..nn.experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
 from ..nn.replace import is_plain_linear, name_selected, patterns
 from ..quantize import LM_HEAD, QuantConfig, linear_layers, quantize_
 from ..runtime import _check_bool
@@ -157,8 +158,15 @@ def _describes(model, config: QuantConfig) -> bool:
             have = None
         elif isinstance(m, LowBitLinear):
             have = (m.format, m.group_size)
+        elif is_fused_experts(m):  # float experts: a config that packs them does not describe them
+            if any(config.selects(f"{name}.{p}") for p in fused_weight_names(m)):
+                return False
+            continue
         else:
             continue
+        expert = parse_expert_layer_name(name)
+        if expert is not None:  # selected by its weight's name, as quantize_ selects it
+            name = f"{expert[0]}.{expert[1]}"
         if config.selects(name):
             want = config
         elif head_cfg is not None and (m is out or head_cfg.selects(name)):
@@ -183,6 +191,12 @@ def _check_untied_output(model, targets) -> None:
                              "quantize it with ulbtorch.quantize_(..., lm_head_bits=8 or 4) and ulbtorch.save_quantized")
 
 
+def _empty_layer(config: QuantConfig, in_features: int, out_features: int, bias: bool, like) -> LowBitLinear:
+    """The low-bit layer config makes of a float weight like `like`, unpacked."""
+    return MODULE_FOR_FORMAT[config.format](in_features, out_features, bias, format=config.format,
+                                            device=like.device, dtype=like.dtype, **config.layer_args(in_features))
+
+
 @register_quantizer(QUANT_METHOD)
 class UlbHfQuantizer(HfQuantizer):
     requires_calibration = False
@@ -193,10 +207,13 @@ class UlbHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             return model
         for name, lin, c in targets:
-            layer = MODULE_FOR_FORMAT[c.format](lin.in_features, lin.out_features, lin.bias is not None,
-                                                format=c.format, device=lin.weight.device,
-                                                dtype=lin.weight.dtype, **c.layer_args(lin.in_features))
-            replace_module(model, name, layer)
+            replace_module(model, name, _empty_layer(c, lin.in_features, lin.out_features, lin.bias is not None,
+                                                     lin.weight))
+        config = self.quantization_config.to_quant_config()
+        for _, m, p in config.expert_targets(model):
+            n_experts, in_f, out_f, bias = expert_shape(m, p)
+            like = m._parameters[p]
+            pack_experts(m, {p: [_empty_layer(config, in_f, out_f, bias, like) for _ in range(n_experts)]})
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -1,0 +1,186 @@
+"""The experts of transformers' mixture-of-experts layers, packed
+(ulbtorch.nn.experts): quantize_, the forward against the model's own,
+saving and loading both ways."""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import ulbtorch  # noqa: E402
+from ulbtorch import UlbConfig  # noqa: E402
+from ulbtorch.nn import Linear2Bit, LowBitLinear  # noqa: E402
+from ulbtorch.nn.experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts  # noqa: E402
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+CONFIGS = {
+    # experts x out x in, [gate; up] concatenated
+    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                                  **SMALL),
+    # experts x in x out (transposed), biases, gate and up interleaved, its own clamped gate
+    "gpt_oss": lambda: transformers.GptOssConfig(intermediate_size=128, head_dim=16, num_local_experts=4,
+                                                 num_experts_per_tok=2, **SMALL),
+    # shared experts (nn.Linear) beside the routed ones, a dense first layer
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, **SMALL),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+IDS = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def _model(kind, dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=dtype).eval()
+
+
+def _experts(model):
+    return [m for m in model.modules() if hasattr(m, "packed_down_proj") or is_fused_experts(m)]
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_forward_over_per_expert_layers_is_the_models_own(kind, dtype):
+    """The packed forward, run over float nn.Linear copies of each expert's
+    weights, gives the model's own experts forward bit for bit: routing,
+    gating, the weighting and the sum are transformers'."""
+    model = _model(kind, dtype)
+    want = _logits(model)
+    for m in _experts(model):
+        pack_experts(m, {p: [copy.deepcopy(lin) for lin in expert_linears(m, p)] for p in fused_weight_names(m)})
+    assert torch.equal(_logits(model), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_quantize_packs_every_expert(kind, dtype):
+    model = _model(kind, dtype)
+    float_experts = [{p: [lin.weight.detach().clone() for lin in expert_linears(m, p)] for p in fused_weight_names(m)}
+                     for m in _experts(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ulbtorch.quantize_(model, bits=2, group_size=32)
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3]
+    for m, weights in zip(_experts(model), float_experts):
+        for p, per_expert in weights.items():
+            layers = getattr(m, f"packed_{p}")
+            assert len(layers) == len(per_expert)
+            for layer, w in zip(layers, per_expert):  # expert e's layer holds expert e's weight
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+                lin.weight.data = w
+                assert torch.equal(layer.packed, Linear2Bit.from_linear(lin, group_size=32).packed)
+    # the kernels against the pure-PyTorch reference of the same layers
+    y = _logits(model)
+    for layer in model.modules():
+        if isinstance(layer, LowBitLinear):
+            layer.force_reference = True
+    torch.testing.assert_close(_logits(model).float(), y.float(), atol=1e-5 if dtype == torch.float32 else 1e-2,
+                               rtol=0)
+
+
+def test_quantized_experts_stay_close_to_float():
+    model = _model("mixtral")
+    want = _logits(model)
+    got = _logits(ulbtorch.quantize_(model, bits=8))
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_an_expert_weight_left_out_runs_in_float():
+    """exclude may name one expert weight: it stays a 3-D float parameter
+    and the forward reads it as the model's own would."""
+    model = _model("gpt_oss")
+    ulbtorch.quantize_(model, bits=2, exclude=["lm_head", "*.experts.down_proj"])
+    m = _experts(model)[0]
+    assert hasattr(m, "packed_gate_up_proj") and m.down_proj.dim() == 3 and m.down_proj_bias.dim() == 2
+    want = copy.deepcopy(model)
+    for e in _experts(want):
+        pack_experts(e, {"down_proj": [copy.deepcopy(lin) for lin in expert_linears(e, "down_proj")]})
+    assert torch.equal(_logits(model), _logits(want))
+
+
+def test_expert_ids_past_the_experts_contribute_nothing():
+    """Expert parallelism marks tokens routed elsewhere with id num_experts."""
+    m = _experts(ulbtorch.quantize_(_model("mixtral"), bits=2))[0]
+    x = torch.randn(3, 64)
+    idx, w = torch.tensor([[0, 1], [2, 4], [4, 4]]), torch.rand(3, 2)
+    y = m(x, idx, w)
+    only = m(x, torch.tensor([[0, 1], [2, 0], [0, 0]]), w * torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]))
+    assert torch.equal(y, only) and torch.equal(y[2], torch.zeros(64))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_save_quantized_and_save_pretrained_reload_bit_exact(kind, tmp_path):
+    model = ulbtorch.quantize_(_model(kind, torch.bfloat16), bits=2, group_size=32)
+    want = _logits(model)
+    ulbtorch.save_quantized(model, tmp_path / "ulb")
+    again = ulbtorch.load_quantized(_model(kind, torch.bfloat16), tmp_path / "ulb")
+    assert torch.equal(_logits(again), want)
+    # transformers' checkpoint conversions (per-expert w1/w2/w3 on disk for
+    # Mixtral) leave the packed layers' names alone
+    model.save_pretrained(tmp_path / "hf")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    assert hasattr(_experts(again)[0], "packed_gate_up_proj")
+    assert torch.equal(_logits(again), want)
+
+
+def test_quantize_on_load_through_ulbconfig_equals_quantize(tmp_path):
+    _model("mixtral", torch.bfloat16).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                  quantization_config=UlbConfig(bits=2, group_size=32))
+    assert hasattr(_experts(loaded)[0], "packed_down_proj")
+    assert torch.equal(_logits(loaded), _logits(ulbtorch.quantize_(_model("mixtral", torch.bfloat16), bits=2,
+                                                                   group_size=32)))
+
+
+def test_load_quantized_refuses_a_checkpoint_missing_an_expert(tmp_path):
+    import json
+    ulbtorch.save_quantized(ulbtorch.quantize_(_model("mixtral"), bits=2), tmp_path)
+    manifest = json.loads((tmp_path / "ulbtorch.json").read_text())
+    del manifest["layers"]["model.layers.1.mlp.experts.packed_down_proj.2"]
+    (tmp_path / "ulbtorch.json").write_text(json.dumps(manifest))
+    model = _model("mixtral")
+    with pytest.raises(ValueError, match=r"experts.down_proj holds 4 experts in the model, but the checkpoint "
+                                         r"lists experts \[0, 1, 3\]"):
+        ulbtorch.load_quantized(model, tmp_path)
+    assert all(is_fused_experts(m) for m in _experts(model))  # unchanged
+
+
+def test_packed_experts_deepcopy_pickle_and_compile():
+    model = ulbtorch.quantize_(_model("mixtral"), bits=2)
+    want = _logits(model)
+    copied = copy.deepcopy(model)
+    assert torch.equal(_logits(copied), want)
+    assert _experts(copied)[0].forward.args[0] is _experts(copied)[0]  # bound to the copy, not the original
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.equal(_logits(torch.load(buf, weights_only=False)), want)
+    torch._dynamo.reset()
+    torch.testing.assert_close(_logits(torch.compile(model)), want, atol=1e-5, rtol=0)
+
+
+def test_experts_ulbtorch_cannot_run_are_named():
+    """A MoE module with 3-D expert weights that is not one of transformers'
+    experts modules stays float, and quantize_ says how much of the model
+    that is."""
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_experts = 4
+            self.w = torch.nn.Parameter(torch.randn(4, 64, 64))
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Experts())
+    with pytest.warns(UserWarning, match=r"1 3-D expert weights of mixture-of-experts layers stay in float \(80% "
+                                         r"of the model's parameter bytes\), e.g. 1.w"):
+        ulbtorch.quantize_(model, bits=2)

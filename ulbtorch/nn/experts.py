@@ -1,0 +1,125 @@
+"""The experts of transformers' mixture-of-experts layers, packed.
+
+transformers 5 keeps the experts of a MoE layer in one module (a class
+decorated with `use_experts_implementation`) as 3-D parameters: `gate_up_proj`
+(or `up_proj` where `has_gate` is False) and `down_proj`, experts x out x in,
+or experts x in x out where `is_transposed`, with `*_bias` of experts x out
+where `has_bias`. pack_experts puts in place of each an nn.ModuleList of
+low-bit layers, one per expert (`experts.packed_gate_up_proj.3` is expert 3's
+gate_up_proj: a name transformers' checkpoint conversions, which match
+".experts.gate_up_proj", leave alone), and gives the module a forward that runs, for each expert that tokens were routed
+to, its two layers on those tokens with the module's own gate in between
+(`_apply_gate`, or `act_fn`), then weighs and sums the top-k outputs of each
+token as transformers' `batched_mm` does.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+PACKED = "packed_"  # packed_gate_up_proj: the layers in place of gate_up_proj
+# Set by use_experts_implementation on the experts modules it serves.
+_LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed")
+
+
+def is_fused_experts(m: nn.Module) -> bool:
+    """A transformers experts module with float 3-D expert weights."""
+    return (isinstance(getattr(m, "num_experts", None), int) and all(hasattr(m, f) for f in _LAYOUT_FLAGS)
+            and any(_fused_weight(m, p) is not None for p in EXPERT_WEIGHTS))
+
+
+def _fused_weight(m: nn.Module, name: str) -> torch.Tensor | None:
+    w = m._parameters.get(name)
+    return w if w is not None and w.dim() == 3 and w.is_floating_point() else None
+
+
+def fused_weight_names(m: nn.Module) -> list[str]:
+    """The 3-D expert weights of an experts module, by attribute name."""
+    return [p for p in EXPERT_WEIGHTS if _fused_weight(m, p) is not None]
+
+
+def expert_linears(m: nn.Module, name: str) -> list[nn.Linear]:
+    """Expert weight `name` of m as one nn.Linear per expert (weight out x in,
+    sharing m's storage), for the quantizers."""
+    w = m._parameters[name]
+    b = m._parameters.get(f"{name}_bias") if m.has_bias else None
+    out = []
+    for e in range(w.shape[0]):
+        we = w[e].t() if m.is_transposed else w[e]
+        lin = nn.Linear(we.shape[1], we.shape[0], bias=b is not None, device="meta")
+        lin.weight = nn.Parameter(we, requires_grad=False)
+        if b is not None:
+            lin.bias = nn.Parameter(b[e], requires_grad=False)
+        out.append(lin)
+    return out
+
+
+def expert_shape(m: nn.Module, name: str) -> tuple[int, int, int, bool]:
+    """(experts, in_features, out_features, bias) of expert weight `name`."""
+    w = m._parameters[name]
+    out_f, in_f = (w.shape[2], w.shape[1]) if m.is_transposed else (w.shape[1], w.shape[2])
+    return w.shape[0], in_f, out_f, bool(m.has_bias and m._parameters.get(f"{name}_bias") is not None)
+
+
+def parse_expert_layer_name(name: str) -> tuple[str, str, int] | None:
+    """"<module>.packed_<weight>.<expert>" as (module, weight, expert), else None."""
+    owner, _, index = name.rpartition(".")
+    module_name, _, attr = owner.rpartition(".")
+    weight = attr.removeprefix(PACKED)
+    if not index.isdigit() or attr == weight or weight not in EXPERT_WEIGHTS:
+        return None
+    return module_name, weight, int(index)
+
+
+def pack_experts(m: nn.Module, layers: dict[str, list[nn.Module]]) -> None:
+    """Put `layers` (expert weight name -> one low-bit layer per expert) in
+    place of m's 3-D weights and their biases, and run m through them."""
+    for name, per_expert in layers.items():
+        for p in (name, f"{name}_bias"):
+            if p in m._parameters:
+                delattr(m, p)
+        setattr(m, PACKED + name, nn.ModuleList(per_expert))
+    m.forward = functools.partial(packed_experts_forward, m)
+    # transformers' weight init (from_pretrained of packed weights) would
+    # write the 3-D weights the module no longer has.
+    m._is_hf_initialized = True
+
+
+def _expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's layer `name` on x: packed, or the 3-D float weight where
+    quantize_ was told to leave that one in float."""
+    packed = m._modules.get(PACKED + name)
+    if packed is not None:
+        return packed[e](x)
+    w = m._parameters[name]
+    b = m._parameters[f"{name}_bias"][e] if m.has_bias else None
+    return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
+
+
+# Which experts run depends on the routing (a data-dependent loop): a compiled
+# model runs this part eagerly rather than recompile for every expert.
+@torch.compiler.disable
+def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (hidden_states: tokens x hidden,
+    top_k_index / top_k_weights: tokens x k) over packed experts. Expert ids
+    past num_experts (expert parallelism's sentinels) contribute nothing."""
+    num_tokens, top_k = top_k_index.shape
+    up = "gate_up_proj" if self.has_gate else "up_proj"
+    ids = top_k_index.reshape(-1)
+    pair_out = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[-1])
+    for e in sorted(set(ids.tolist())):
+        if not 0 <= e < self.num_experts:
+            continue
+        pairs = (ids == e).nonzero().squeeze(1)
+        h = _expert(self, up, e, hidden_states[pairs // top_k])
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        y = _expert(self, "down_proj", e, h)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        pair_out[pairs] = y.to(pair_out.dtype)
+    weighted = pair_out * top_k_weights.reshape(-1, 1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
