@@ -8,6 +8,7 @@ quantized with ulbtorch.quantize_, in one process, at one thread count.
   python benchmarks/decode.py --profile                        # + share of time in linear layers, Amdahl bound
   python benchmarks/decode.py --compile                        # + torch.compile(model.forward) variants
   python benchmarks/decode.py --prompt-len 512 --tokens 8      # time to the first token of a long prompt
+  python benchmarks/decode.py --config qwen3-30b-a3b --layers 4   # a mixture-of-experts model (packed experts)
 
 Random weights are fine for speed: decode cost does not depend on values.
 """
@@ -31,16 +32,32 @@ import common  # noqa: E402
 
 import ulbtorch  # noqa: E402
 from ulbtorch import LowBitLinear, QuantConfig, get_format  # noqa: E402
+from ulbtorch.nn.experts import is_fused_experts, parse_expert_layer_name  # noqa: E402
 from ulbtorch.quantizers import default_method  # noqa: E402
 
 LLAMA_DEFAULTS = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# Mixture-of-experts configs (shapes.json has dense Llama ones only), each
+# built as its own model type: the experts ulbtorch packs one layer per expert.
+# The whole models take 14-60 GB in bf16: run them with --layers 4.
+MOE_CONFIGS = {
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                        vocab_size=50304),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          vocab_size=151936),
+}
+
+
 def build_model(cfg: dict, seed: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**LLAMA_DEFAULTS, **cfg})
+    cfg = dict(cfg)
+    config = AutoConfig.for_model(cfg.pop("model_type", "llama"), **{**LLAMA_DEFAULTS, **cfg})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
     model.generation_config.pad_token_id = config.pad_token_id
@@ -150,7 +167,8 @@ def head_variant(bits: int, group_size: int) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_shapes_arg(p)
-    p.add_argument("--config", default="falcon3-1b", help="a key of shapes.json 'configs' (default falcon3-1b)")
+    p.add_argument("--config", default="falcon3-1b",
+                   help="a key of shapes.json 'configs' or of MOE_CONFIGS here (default falcon3-1b)")
     p.add_argument("--layers", type=int, help="override num_hidden_layers (quick runs)")
     p.add_argument("--vocab-size", type=int, help="override vocab_size (quick runs)")
     p.add_argument("--formats", default="2", help="comma-separated: 2 (int2_sym), int2, ternary, 1 (binary); default 2")
@@ -210,9 +228,10 @@ def main(argv=None):
         args.tokens = min(args.tokens, 8)
         args.reps = 1
     shapes_doc = common.load_shapes(args.shapes)
-    configs = shapes_doc["configs"]
+    configs = {**shapes_doc["configs"], **MOE_CONFIGS}
     if args.config not in configs:
-        common.die(f"unknown config {args.config!r}; shapes.json has {sorted(configs)}")
+        common.die(f"unknown config {args.config!r}; shapes.json has {sorted(shapes_doc['configs'])}, and this "
+                   f"script {sorted(MOE_CONFIGS)}")
     cfg = dict(configs[args.config])
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
@@ -301,7 +320,7 @@ def main(argv=None):
     prof = {}
     if args.profile:
         cls_bf16 = lambda n, m: (("quantizable" if sel.selects(n) else "other_linear")  # noqa: E731
-                                 if type(m) is nn.Linear else None)
+                                 if type(m) is nn.Linear else "quantizable" if is_fused_experts(m) else None)
         total, parts = profile_decode(base, ids, args.tokens, cls_bf16)
         prof["bf16"] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})
     if args.bf16_gemv:  # the bf16 model itself with every linear layer on ulbtorch's bf16 GEMV
@@ -325,7 +344,9 @@ def main(argv=None):
         results[name]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
         run_compiled(name, qm)
         if args.profile:
-            cls_q = lambda n, m: ("ulb" if isinstance(m, LowBitLinear)  # noqa: E731
+            # a packed experts module whole (routing and gating included), not its layers again
+            cls_q = lambda n, m: (None if parse_expert_layer_name(n) else  # noqa: E731
+                                  "ulb" if isinstance(m, LowBitLinear) or hasattr(m, "packed_down_proj")
                                   else "other_linear" if type(m) is nn.Linear else None)
             total, parts = profile_decode(qm, ids, args.tokens, cls_q)
             prof[name] = dict(total_s=total, **{k + "_s": v for k, v in parts.items()})

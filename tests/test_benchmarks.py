@@ -30,6 +30,8 @@ RUNS = {
     "scheduler": (["scheduler.py", "--quick"], "Static equal split vs dynamic split"),
     "op_overhead": (["op_overhead.py", "--shapes", "512x512", "--threads", "2", "--reps", "2"], "512x512"),
     "decode": (["decode.py", "--quick", "--shapes", "{shapes}"], "tok/s"),
+    "decode_moe": (["decode.py", "--quick", "--config", "olmoe-1b-7b", "--vocab-size", "1000", "--tokens", "2",
+                    "--profile", "--shapes", "{shapes}"], "Amdahl"),
     "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
                    "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }
