@@ -44,9 +44,9 @@ def _experts(model):
     return [m for m in model.modules() if hasattr(m, "packed_down_proj") or is_fused_experts(m)]
 
 
-def _logits(model):
+def _logits(model, ids=IDS):
     with torch.no_grad():
-        return model(IDS).logits
+        return model(ids).logits
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -56,10 +56,11 @@ def test_forward_over_per_expert_layers_is_the_models_own(kind, dtype):
     weights, gives the model's own experts forward bit for bit: routing,
     gating, the weighting and the sum are transformers'."""
     model = _model(kind, dtype)
-    want = _logits(model)
+    want, want_one = _logits(model), _logits(model, IDS[:1, :1])
     for m in _experts(model):
         pack_experts(m, {p: [copy.deepcopy(lin) for lin in expert_linears(m, p)] for p in fused_weight_names(m)})
     assert torch.equal(_logits(model), want)
+    assert torch.equal(_logits(model, IDS[:1, :1]), want_one)  # one token, as in decode
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -117,6 +118,7 @@ def test_expert_ids_past_the_experts_contribute_nothing():
     y = m(x, idx, w)
     only = m(x, torch.tensor([[0, 1], [2, 0], [0, 0]]), w * torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]))
     assert torch.equal(y, only) and torch.equal(y[2], torch.zeros(64))
+    assert torch.equal(m(x[1:2], idx[1:2], w[1:2]), y[1:2])  # one token
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])

@@ -99,6 +99,16 @@ def _expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
 
 
+def _run_expert(m: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e on the tokens x: up (and gate), the module's gate, down."""
+    h = _expert(m, "gate_up_proj" if m.has_gate else "up_proj", e, x)
+    h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
+    y = _expert(m, "down_proj", e, h)
+    if getattr(m, "has_post_expert_norm", False):
+        y = m.post_expert_norm(y)
+    return y.to(x.dtype)
+
+
 # Which experts run depends on the routing (a data-dependent loop): a compiled
 # model runs this part eagerly rather than recompile for every expert.
 @torch.compiler.disable
@@ -108,18 +118,16 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     top_k_index / top_k_weights: tokens x k) over packed experts. Expert ids
     past num_experts (expert parallelism's sentinels) contribute nothing."""
     num_tokens, top_k = top_k_index.shape
-    up = "gate_up_proj" if self.has_gate else "up_proj"
     ids = top_k_index.reshape(-1)
-    pair_out = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[-1])
-    for e in sorted(set(ids.tolist())):
-        if not 0 <= e < self.num_experts:
-            continue
-        pairs = (ids == e).nonzero().squeeze(1)
-        h = _expert(self, up, e, hidden_states[pairs // top_k])
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        y = _expert(self, "down_proj", e, h)
-        if getattr(self, "has_post_expert_norm", False):
-            y = self.post_expert_norm(y)
-        pair_out[pairs] = y.to(pair_out.dtype)
+    if num_tokens == 1:  # decode: each pair is the token through one expert, no gather or scatter
+        zeros = hidden_states.new_zeros(1, hidden_states.shape[-1])
+        pair_out = torch.cat([_run_expert(self, e, hidden_states) if 0 <= e < self.num_experts else zeros
+                              for e in ids.tolist()])
+    else:
+        pair_out = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[-1])
+        for e in sorted(set(ids.tolist())):
+            if 0 <= e < self.num_experts:
+                pairs = (ids == e).nonzero().squeeze(1)
+                pair_out[pairs] = _run_expert(self, e, hidden_states[pairs // top_k])
     weighted = pair_out * top_k_weights.reshape(-1, 1)
     return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
