@@ -25,6 +25,10 @@ CONFIGS = {
     # experts x in x out (transposed), biases, gate and up interleaved, its own clamped gate
     "gpt_oss": lambda: transformers.GptOssConfig(intermediate_size=128, head_dim=16, num_local_experts=4,
                                                  num_experts_per_tok=2, **SMALL),
+    # a shared expert with a one-output nn.Linear gate beside the routed ones
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                                     shared_expert_intermediate_size=64, num_experts=4,
+                                                     num_experts_per_tok=2, **SMALL),
     # shared experts (nn.Linear) beside the routed ones, a dense first layer
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
@@ -176,13 +180,55 @@ def test_experts_ulbtorch_cannot_run_are_named():
     """A MoE module with 3-D expert weights that is not one of transformers'
     experts modules stays float, and quantize_ says how much of the model
     that is."""
-    class Experts(torch.nn.Module):
+    class RoutedExperts(torch.nn.Module):  # LongCat's count is num_routed_experts
         def __init__(self):
             super().__init__()
-            self.num_experts = 4
+            self.num_routed_experts = 4
             self.w = torch.nn.Parameter(torch.randn(4, 64, 64))
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Experts())
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), RoutedExperts())
     with pytest.warns(UserWarning, match=r"1 3-D expert weights of mixture-of-experts layers stay in float \(80% "
                                          r"of the model's parameter bytes\), e.g. 1.w"):
         ulbtorch.quantize_(model, bits=2)
+
+
+def test_routers_stay_float_and_save_pretrained_keeps_them():
+    """Routers that are nn.Linear (HunYuan's gate.wg, reading its own
+    .weight in forward: it crashed once 2-bit; Qwen2-MoE's one-output
+    shared_expert_gate) stay float, also when reloaded."""
+    model = _model("qwen2_moe", torch.bfloat16)
+    ulbtorch.quantize_(model, bits=2, group_size=32)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.shared_expert_gate) is not Linear2Bit and isinstance(mlp.shared_expert.up_proj, Linear2Bit)
+    assert "model.layers.0.mlp.shared_expert_gate" in model.config.quantization_config.modules_to_not_convert
+    torch.manual_seed(0)
+    hunyuan = AutoModelForCausalLM.from_config(transformers.HunYuanMoEV1Config(
+        intermediate_size=128, moe_intermediate_size=64, num_experts=4, moe_topk=2, head_dim=16, **SMALL)).eval()
+    ulbtorch.quantize_(hunyuan, bits=2)
+    assert type(hunyuan.model.layers[0].mlp.gate.wg) is torch.nn.Linear
+    _logits(hunyuan)
+
+
+def test_router_rule_in_isolation():
+    from ulbtorch.nn.experts import router_names
+    model = _model("qwen2_moe")
+    assert router_names(model) == [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
+
+
+def test_include_patterns_that_leave_the_experts_float_save_through_transformers(tmp_path):
+    """The experts an include pattern leaves out are recorded in
+    modules_to_not_convert: no UlbConfig described the model before, and
+    save_pretrained reloaded it float."""
+    model = ulbtorch.quantize_(_model("mixtral", torch.bfloat16), bits=2, group_size=32, include=["*.self_attn.*"])
+    assert is_fused_experts(_experts(model)[0])
+    want = _logits(model)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert isinstance(again.model.layers[0].self_attn.q_proj, Linear2Bit) and is_fused_experts(_experts(again)[0])
+    assert torch.equal(_logits(again), want)
+
+
+def test_no_tokens():
+    m = _experts(ulbtorch.quantize_(_model("mixtral"), bits=2))[0]
+    y = m(torch.empty(0, 64), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2))
+    assert y.shape == (0, 64)

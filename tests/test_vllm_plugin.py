@@ -85,3 +85,14 @@ def test_apply_computes_the_layer():
         y = head_method.apply(head, x)
         want = F.linear(x.float(), head.weight.float())
         assert y.shape == want.shape and (y.float() - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def test_a_mixture_of_experts_layer_is_refused():
+    """vLLM gave its fused MoE layer the float method, found none of the
+    checkpoint's experts.packed_* tensors and served uninitialised experts
+    (greedy tokens all 0)."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    cfg = UlbVllmConfig.from_config({"bits": 2})
+    with pytest.raises(ValueError, match=r"ulb: model.layers.0.mlp.experts is a mixture-of-experts layer; "
+                                         "ulbtorch's vLLM plugin serves dense models only"):
+        cfg.get_quant_method(RoutedExperts.__new__(RoutedExperts), "model.layers.0.mlp.experts")

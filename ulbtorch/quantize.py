@@ -1,15 +1,16 @@
 """One call to turn the nn.Linear layers of a model into low-bit layers."""
 from __future__ import annotations
 
+import glob
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
 from .formats import FORMATS
 from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
-from .nn.experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts
+from .nn.experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts, router_names
 from .nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 from .runtime import _check_bool
@@ -196,11 +197,11 @@ def _warn_nothing_converted(model: nn.Module, config: QuantConfig) -> None:
 
 
 def _warn_fused_experts(model: nn.Module, config: QuantConfig) -> None:
-    """Mixture-of-experts modules that keep their experts as 3-D parameters
-    but are not transformers' experts modules (nn.experts) stay in float,
-    often most of the model's bytes: say so."""
+    """Mixture-of-experts modules (named or typed "...expert...") that keep
+    their experts as 3-D parameters but are not transformers' experts modules
+    (nn.experts) stay in float, often most of the model's bytes: say so."""
     fused = [(f"{n}.{p}" if n else p, t) for n, m in model.named_modules()
-             if isinstance(getattr(m, "num_experts", None), int) and not is_fused_experts(m)
+             if "expert" in f"{n}.{type(m).__name__}".lower() and not is_fused_experts(m)
              for p, t in m.named_parameters(recurse=False)
              if t.dim() == 3 and t.is_floating_point() and config.selects(f"{n}.{p}" if n else p)]
     if fused:
@@ -224,6 +225,16 @@ def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
                            for t, ns in skipped.items())
         warnings.warn(f"quantize_: layers of nn.Linear subclasses stay in float (only plain nn.Linear is "
                       f"converted): {listed}; exclude them to silence this", stacklevel=3)
+
+
+def _routers_excluded(model: nn.Module, config: QuantConfig) -> QuantConfig:
+    """config with the MoE routers it selects (nn.experts.router_names) added
+    to exclude, by exact name and as "*.name" (for the head model of a base
+    model), so that the config recorded for transformers keeps them too."""
+    routers = [glob.escape(n) for n in router_names(model) if config.selects(n)]
+    if not routers:
+        return config
+    return replace(config, exclude=config.exclude + [p for n in routers for p in (n, f"*.{n}")])
 
 
 def _convert(name: str, lin: nn.Linear, cfg: QuantConfig, exclude: str | None = None):
@@ -250,6 +261,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         config = QuantConfig(**kwargs)
     elif kwargs:
         raise TypeError("pass either a QuantConfig or keyword arguments, not both")
+    config = _routers_excluded(model, config)
     targets = config.targets(model)
     experts = config.expert_targets(model)
     if not targets and not experts:

@@ -139,7 +139,11 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
         head = config.head_config()
         left = linear_layers(model, lambda n: not config.selects(n)
                              and not name_selected(n, config.exclude, []))  # not named by a pattern already
-        for n in sorted(n for n, m in left if not (head is not None and (m is out or head.selects(n)))):
+        left = [n for n, m in left if not (head is not None and (m is out or head.selects(n)))]
+        left += [w for n, m in model.named_modules() if is_fused_experts(m)  # expert weights left in float
+                 for w in (f"{n}.{p}" for p in fused_weight_names(m))
+                 if not config.selects(w) and not name_selected(w, config.exclude, [])]
+        for n in sorted(left):
             exclude += [n, f"*.{n}"] if inner else [n]
     return UlbConfig(bits=config.bits, format=config.format, group_size=config.group_size,
                      granularity=config.granularity, method=config.method, modules_to_not_convert=exclude,

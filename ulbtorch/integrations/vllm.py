@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -71,6 +72,12 @@ class UlbVllmConfig(QuantizationConfig):
             if self.head is not None:
                 return UlbLinearMethod(self.head)
             return UlbBF16HeadMethod() if self.quant.bf16_gemv else None
+        if isinstance(layer, RoutedExperts):
+            # vLLM would give it its float method, find none of the checkpoint's
+            # experts.packed_* tensors, and serve uninitialised experts.
+            raise ValueError(f"ulb: {prefix} is a mixture-of-experts layer; ulbtorch's vLLM plugin serves dense "
+                             "models only (its experts are packed one layer per expert, which vLLM's fused MoE "
+                             "cannot read): run this checkpoint with transformers")
         if not isinstance(layer, LinearBase):
             return None
         if self._skipped(prefix):

@@ -25,10 +25,31 @@ PACKED = "packed_"  # packed_gate_up_proj: the layers in place of gate_up_proj
 _LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
+def is_experts_module(m: nn.Module) -> bool:
+    """One of transformers' experts modules, packed or not."""
+    return isinstance(getattr(m, "num_experts", None), int) and all(hasattr(m, f) for f in _LAYOUT_FLAGS)
+
+
 def is_fused_experts(m: nn.Module) -> bool:
     """A transformers experts module with float 3-D expert weights."""
-    return (isinstance(getattr(m, "num_experts", None), int) and all(hasattr(m, f) for f in _LAYOUT_FLAGS)
-            and any(_fused_weight(m, p) is not None for p in EXPERT_WEIGHTS))
+    return is_experts_module(m) and any(_fused_weight(m, p) is not None for p in EXPERT_WEIGHTS)
+
+
+def router_names(model: nn.Module) -> list[str]:
+    """The linear layers that route tokens to experts (quantize_ keeps them
+    in float: a rounded router picks other experts): under the module that
+    holds an experts module, outside it, with one output per expert or one
+    output (a shared expert's gate)."""
+    found = []
+    for name, block in model.named_modules():
+        for child_name, experts in block.named_children():
+            if not is_experts_module(experts):
+                continue
+            for sub, m in block.named_modules():
+                if (isinstance(m, nn.Linear) and sub != child_name and not sub.startswith(f"{child_name}.")
+                        and m.out_features in (experts.num_experts, 1)):
+                    found.append(f"{name}.{sub}" if name else sub)
+    return list(dict.fromkeys(found))
 
 
 def _fused_weight(m: nn.Module, name: str) -> torch.Tensor | None:
@@ -130,4 +151,4 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
                 pairs = (ids == e).nonzero().squeeze(1)
                 pair_out[pairs] = _run_expert(self, e, hidden_states[pairs // top_k])
     weighted = pair_out * top_k_weights.reshape(-1, 1)
-    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weighted.view(num_tokens, top_k, hidden_states.shape[-1]).sum(dim=1).to(hidden_states.dtype)
