@@ -114,20 +114,22 @@ def _expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     quantize_ was told to leave that one in float."""
     packed = m._modules.get(PACKED + name)
     if packed is not None:
-        return packed[e](x)
+        return packed._modules[str(e)](x)  # ModuleList's __getitem__ costs 4 us a call
     w = m._parameters[name]
     b = m._parameters[f"{name}_bias"][e] if m.has_bias else None
     return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
 
 
-def _run_expert(m: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert e on the tokens x: up (and gate), the module's gate, down."""
-    h = _expert(m, "gate_up_proj" if m.has_gate else "up_proj", e, x)
+def _run_experts(m: nn.Module, experts: list[int], xs: list[torch.Tensor]) -> torch.Tensor:
+    """Expert experts[j] on the tokens xs[j], for every j, their outputs
+    stacked: up (and gate) per expert, the module's gate once over all of
+    them (it is elementwise), down per expert."""
+    h = torch.cat([_expert(m, "gate_up_proj" if m.has_gate else "up_proj", e, x) for e, x in zip(experts, xs)])
     h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
-    y = _expert(m, "down_proj", e, h)
+    y = torch.cat([_expert(m, "down_proj", e, he) for e, he in zip(experts, h.split([x.shape[0] for x in xs]))])
     if getattr(m, "has_post_expert_norm", False):
         y = m.post_expert_norm(y)
-    return y.to(x.dtype)
+    return y.to(xs[0].dtype)
 
 
 # Which experts run depends on the routing (a data-dependent loop): a compiled
@@ -140,15 +142,19 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     past num_experts (expert parallelism's sentinels) contribute nothing."""
     num_tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
-    if num_tokens == 1:  # decode: each pair is the token through one expert, no gather or scatter
-        zeros = hidden_states.new_zeros(1, hidden_states.shape[-1])
-        pair_out = torch.cat([_run_expert(self, e, hidden_states) if 0 <= e < self.num_experts else zeros
-                              for e in ids.tolist()])
+    listed = ids.tolist()
+    if num_tokens == 1:  # decode: pair j is the token through expert ids[j], without masks or gathers
+        experts = [e for e in listed if 0 <= e < self.num_experts]
+        xs, rows = [hidden_states] * len(experts), [j for j, e in enumerate(listed) if 0 <= e < self.num_experts]
+    else:
+        experts = [e for e in sorted(set(listed)) if 0 <= e < self.num_experts]
+        pairs = [(ids == e).nonzero().squeeze(1) for e in experts]
+        xs, rows = [hidden_states[p // top_k] for p in pairs], torch.cat(pairs) if pairs else None
+    if len(experts) == len(listed) and num_tokens == 1:
+        pair_out = _run_experts(self, experts, xs)  # every pair, in order
     else:
         pair_out = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[-1])
-        for e in sorted(set(ids.tolist())):
-            if 0 <= e < self.num_experts:
-                pairs = (ids == e).nonzero().squeeze(1)
-                pair_out[pairs] = _run_expert(self, e, hidden_states[pairs // top_k])
+        if experts:
+            pair_out[rows] = _run_experts(self, experts, xs)
     weighted = pair_out * top_k_weights.reshape(-1, 1)
     return weighted.view(num_tokens, top_k, hidden_states.shape[-1]).sum(dim=1).to(hidden_states.dtype)
