@@ -6,11 +6,12 @@ decorated with `use_experts_implementation`) as 3-D parameters: `gate_up_proj`
 or experts x in x out where `is_transposed`, with `*_bias` of experts x out
 where `has_bias`. pack_experts puts in place of each an nn.ModuleList of
 low-bit layers, one per expert (`experts.packed_gate_up_proj.3` is expert 3's
-gate_up_proj: a name transformers' checkpoint conversions, which match
-".experts.gate_up_proj", leave alone), and gives the module a forward that runs, for each expert that tokens were routed
-to, its two layers on those tokens with the module's own gate in between
-(`_apply_gate`, or `act_fn`), then weighs and sums the top-k outputs of each
-token as transformers' `batched_mm` does.
+gate_up_proj: a name that transformers' checkpoint conversions, which match
+".experts.gate_up_proj", leave alone), and gives the module a forward that
+runs, for each expert that tokens were routed to, its two layers on those
+tokens with the module's own gate in between (`_apply_gate`, or `act_fn`),
+then weighs and sums the top-k outputs of each token as transformers'
+`batched_mm` does.
 """
 from __future__ import annotations
 
