@@ -639,6 +639,18 @@ def test_quantize_warns_when_nothing_is_converted():
     assert type(model[0]) is torch.nn.Linear
 
 
+def test_reading_weight_of_a_packed_layer_says_what_to_do():
+    """Models that read a linear layer's .weight (Jamba's dt_proj, for a
+    matmul) failed with "no attribute 'weight'"."""
+    layer = Linear2Bit.from_linear(torch.nn.Linear(64, 32))
+    with pytest.raises(AttributeError, match=r"Linear2Bit holds packed weights, not a float `weight`: .*"
+                                             r"exclude=\[\.\.\., '<its name>'\]\).*layer.dequantize\(\)"):
+        layer.weight
+    assert not hasattr(layer, "weight") and getattr(layer, "weight", None) is None
+    with pytest.raises(AttributeError, match="'Linear2Bit' object has no attribute 'other'"):
+        layer.other
+
+
 def test_quantize_twice_says_the_model_is_quantized_already():
     model = ulbtorch.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)), bits=2)
     with pytest.warns(UserWarning, match=r"quantized already \(1 low-bit layers: int2_sym \(group size 0\)\); "

@@ -364,6 +364,18 @@ class LowBitLinear(nn.Module):
             self._dequant_cache = None
         super().__setattr__(name, value)
 
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        # Some models read a linear layer's .weight (its dtype, or to
+        # multiply by it): say what to do rather than "no attribute".
+        raise AttributeError(f"{type(self).__name__} holds packed weights, not a float `weight`: a model that reads "
+                             "`.weight` of this layer needs it kept in float (quantize_(..., exclude=[..., "
+                             "'<its name>'])); layer.dequantize() gives the float weight the kernel multiplies by")
+
     def __getstate__(self):
         # The dequantised weight is a cache: 16x the packed bytes, and its
         # untyped storage does not pickle.
