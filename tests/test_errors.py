@@ -637,6 +637,16 @@ def test_good_spin_time_is_taken_without_a_warning(value):
     assert out.stdout.split() == [repr(float(value)), "1"]
 
 
+def test_spin_time_set_after_import_is_the_one_in_use():
+    """ulb_spin_us once started the pool's setup, which reads ULB_SPIN_US,
+    at import: a value set after it was ignored."""
+    code = ("import ctypes, os, ulbtorch; from ulbtorch import runtime; os.environ['ULB_SPIN_US'] = '0'; "
+            "print(runtime._lib.ulb_spin_us(None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "ULB_SPIN_US"})
+    assert out.returncode == 0 and out.stdout.split() == ["0.0"], out.stderr
+
+
 def test_meta_input_to_a_module_gives_the_output_shape():
     """Shape inference on meta inputs runs the reference path; its bias
     followed the module's device and the call failed with a device clash."""

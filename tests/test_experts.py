@@ -232,3 +232,49 @@ def test_no_tokens():
     m = _experts(ulbtorch.quantize_(_model("mixtral"), bits=2))[0]
     y = m(torch.empty(0, 64), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2))
     assert y.shape == (0, 64)
+
+
+def test_router_rule_skips_a_shared_expert_as_wide_as_the_experts_are_many():
+    """Qwen3-Next-80B's shared expert is 512 wide with 512 experts: its
+    gate_proj and up_proj were taken for routers and left float."""
+    from ulbtorch.nn.experts import router_names
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(
+        intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=4, num_experts=4,
+        num_experts_per_tok=2, **SMALL))
+    assert router_names(model) == [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
+    ulbtorch.quantize_(model, bits=2)
+    assert isinstance(model.model.layers[0].mlp.shared_expert.up_proj, Linear2Bit)
+
+
+def test_quantize_of_an_experts_module_alone_records_nothing_in_the_models_config():
+    """transformers' experts modules hold the model's config: quantize_ of
+    one of them recorded a UlbConfig for the whole model, whose checkpoint
+    then failed to load."""
+    model = _model("mixtral")
+    ulbtorch.quantize_(model.model.layers[0].mlp.experts, bits=2)
+    assert hasattr(model.model.layers[0].mlp.experts, "packed_down_proj")
+    assert getattr(model.config, "quantization_config", None) is None
+
+
+def test_load_quantized_checks_the_weights_file_before_changing_the_model(tmp_path):
+    """A manifest whose bias flag disagrees with the weights file, or a model
+    with layers packed that the file holds in float, failed after the swaps,
+    leaving the model half changed."""
+    import json
+    ulbtorch.save_quantized(ulbtorch.quantize_(_model("gpt_oss"), bits=2), tmp_path)
+    manifest = json.loads((tmp_path / "ulbtorch.json").read_text())
+    manifest["layers"]["model.layers.0.mlp.experts.packed_down_proj.1"]["bias"] = False
+    (tmp_path / "ulbtorch.json").write_text(json.dumps(manifest))
+    model = _model("gpt_oss")
+    with pytest.raises(ValueError, match=r"layer 'model.layers.0.mlp.experts.packed_down_proj.1' has no bias in "
+                                         "the manifest but .* holds"):
+        ulbtorch.load_quantized(model, tmp_path)
+    assert all(is_fused_experts(m) for m in _experts(model))
+    ulbtorch.save_quantized(ulbtorch.quantize_(_model("mixtral"), bits=2, exclude=["lm_head", "*.down_proj"]),
+                            tmp_path / "half")
+    model = ulbtorch.quantize_(_model("mixtral"), bits=2)  # every expert packed, down_proj too
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"has no model.layers.0.mlp.experts.packed_down_proj.0.packed"):
+        ulbtorch.load_quantized(model, tmp_path / "half")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

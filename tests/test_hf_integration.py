@@ -79,7 +79,8 @@ def test_quantize_with_include_patterns_saves_through_transformers(float_dir, tm
     _reloads_bit_exact(model, tmp_path)
 
 
-@pytest.mark.parametrize("kwargs", [dict(include=["*.mlp.*"]), dict(include=["layers.1.*"]), dict(exclude=[])])
+@pytest.mark.parametrize("kwargs", [dict(include=["*.mlp.*"]), dict(include=["layers.1.*"]), dict(exclude=[]),
+                                    dict(exclude=["layers.0.self_attn.q_proj"])])
 def test_quantize_of_the_base_model_saves_through_the_head_model(float_dir, tmp_path, kwargs):
     """quantize_(model.model, ...) records its config in the config the head
     model shares; the head model saves its layers as "model.layers...", so

@@ -176,7 +176,9 @@ def record_for_transformers(model: nn.Module, config: QuantConfig) -> None:
     """For a transformers model: record in model.config the UlbConfig that
     makes save_pretrained write a checkpoint from_pretrained loads packed
     (integrations.transformers.record_quant_config)."""
-    if type(getattr(model, "config", None)).__module__.startswith("transformers."):
+    # A whole model (base or head), not a submodule that holds the model's
+    # config (transformers' experts modules do): that config is the model's.
+    if type(getattr(model, "config", None)).__module__.startswith("transformers.") and hasattr(model, "base_model"):
         from .integrations.transformers import record_quant_config
         record_quant_config(model, config)
 

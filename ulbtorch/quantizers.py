@@ -148,7 +148,7 @@ def quantize_weight(weight: torch.Tensor, format: str | Format, group_size: int 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
-    w = weight.detach().to(torch.float32, memory_format=torch.contiguous_format)  # a transposed view too
+    w = weight.detach().to(torch.float32).contiguous()  # a transposed view (MoE experts) too
     if not torch.isfinite(w).all():
         raise ValueError("weight has NaN or infinite values")
     if granularity == "tensor":

@@ -9,6 +9,7 @@ import json
 import os
 import warnings
 
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -93,6 +94,16 @@ def _expert_groups(path: str, here: dict, layers: dict) -> list[tuple[nn.Module,
     return out
 
 
+def _check_saved(path: str, weights: str, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> None:
+    """That the weights file holds the tensors of the layer the manifest
+    describes (under one of its names), and a bias only where it says so."""
+    for key in new.state_dict(keep_vars=True):
+        if not any(f"{a}.{key}" in saved for a in aliases):
+            raise ValueError(f"{path}: layer {name!r}: {weights} has no {name}.{key}")
+    if new.bias is None and any(f"{a}.bias" in saved for a in aliases):
+        raise ValueError(f"{path}: layer {name!r} has no bias in the manifest but {weights} holds {name}.bias")
+
+
 def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
     load all weights. `model` is the float architecture (e.g. from_config).
@@ -139,6 +150,16 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
             raise ValueError(f"{path}: layer {name!r} is {old.in_features}->{old.out_features} in the model "
                              f"but {new.in_features}->{new.out_features} in the checkpoint")
     names = module_names(model)
+    with safe_open(weights, framework="pt") as f:
+        saved = set(f.keys())
+    for name, old, new in swaps:
+        _check_saved(path, weights, saved, name, names[id(old)], new)
+    for (_, _, per_name), (_, _, per) in zip(experts, packed_experts):
+        for name, new in zip(per_name, per):
+            _check_saved(path, weights, saved, name, [name], new)
+    for name, m in here.items():  # layers packed already, which the manifest does not list
+        if isinstance(m, LowBitLinear) and name not in layers:
+            _check_saved(path, weights, saved, name, names[id(m)], m)
     for name, old, new in swaps:
         replace_everywhere(model, names, old, new)  # a layer used at two places, at both
     for m, p, per in packed_experts:

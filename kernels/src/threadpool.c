@@ -177,16 +177,16 @@ static int spin_us_from_env(const char *env, double *us) {
 }
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-static int spin_env_accepted;
 static void pool_init(void) {
-    spin_env_accepted = spin_us_from_env(getenv("ULB_SPIN_US"), &pool.spin_us);
+    spin_us_from_env(getenv("ULB_SPIN_US"), &pool.spin_us);
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
 double ulb_spin_us(int *env_accepted) {
-    pthread_once(&pool_once, pool_init);
-    if (env_accepted) *env_accepted = spin_env_accepted;
-    return pool.spin_us;
+    double us;
+    const int accepted = spin_us_from_env(getenv("ULB_SPIN_US"), &us);
+    if (env_accepted) *env_accepted = accepted;
+    return us;
 }
 
 /* Returns how many threads can take part (>= 1). */

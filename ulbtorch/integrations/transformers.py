@@ -134,6 +134,8 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
     # as "*.name", and the head model's lm_head, which it cannot see, as float.
     inner = getattr(model, "base_model", None) is model
     if inner:
+        # names relative to the base model, matched in the head model's too
+        exclude += [f"*.{p}" for p in config.exclude if not p.startswith("*") and f"*.{p}" not in exclude]
         exclude += [p for p in LM_HEAD if p not in exclude]
     if config.include != ["*"]:
         head = config.head_config()

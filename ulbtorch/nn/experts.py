@@ -40,16 +40,22 @@ def router_names(model: nn.Module) -> list[str]:
     """The linear layers that route tokens to experts (quantize_ keeps them
     in float: a rounded router picks other experts): under the module that
     holds an experts module, outside it, with one output per expert or one
-    output (a shared expert's gate)."""
+    output (a shared expert's gate), and either directly there or the only
+    linear layer of the module around it (HunYuan's gate.wg; a shared
+    expert's MLP, whose width may equal the number of experts, is not)."""
     found = []
     for name, block in model.named_modules():
         for child_name, experts in block.named_children():
             if not is_experts_module(experts):
                 continue
             for sub, m in block.named_modules():
-                if (isinstance(m, nn.Linear) and sub != child_name and not sub.startswith(f"{child_name}.")
-                        and m.out_features in (experts.num_experts, 1)):
-                    found.append(f"{name}.{sub}" if name else sub)
+                if (not isinstance(m, nn.Linear) or sub.startswith(f"{child_name}.")
+                        or m.out_features not in (experts.num_experts, 1)):
+                    continue
+                holder = sub.rpartition(".")[0]
+                if holder and sum(isinstance(x, nn.Linear) for x in block.get_submodule(holder).modules()) > 1:
+                    continue
+                found.append(f"{name}.{sub}" if name else sub)
     return list(dict.fromkeys(found))
 
 

@@ -253,9 +253,10 @@ void ulb_set_parallel_runner(ulb_runner_fn runner);
 
 #define ULB_MAX_THREADS 64
 
-/* How long the pool's idle workers spin before they sleep (microseconds):
- * ULB_SPIN_US, read once, where it is a number from 0 to 1e6, else 200.
- * *env_accepted (if not NULL): 0 when ULB_SPIN_US is set to anything else. */
+/* How long the pool's idle workers spin before they sleep (microseconds), as
+ * ULB_SPIN_US gives it now: a number from 0 to 1e6, else 200. The pool reads
+ * the variable once, at its first job. *env_accepted (if not NULL): 0 when
+ * ULB_SPIN_US is set to anything else. */
 double ulb_spin_us(int *env_accepted);
 
 typedef struct {
