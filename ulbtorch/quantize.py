@@ -231,12 +231,10 @@ def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
 
 def _routers_excluded(model: nn.Module, config: QuantConfig) -> QuantConfig:
     """config with the MoE routers it selects (nn.experts.router_names) added
-    to exclude, by exact name and as "*.name" (for the head model of a base
-    model), so that the config recorded for transformers keeps them too."""
+    to exclude by name, so that the config recorded for transformers keeps
+    them too (with the "*.name" copy it gives every exact name of a base model)."""
     routers = [glob.escape(n) for n in router_names(model) if config.selects(n)]
-    if not routers:
-        return config
-    return replace(config, exclude=config.exclude + [p for n in routers for p in (n, f"*.{n}")])
+    return replace(config, exclude=config.exclude + routers) if routers else config
 
 
 def _convert(name: str, lin: nn.Linear, cfg: QuantConfig, exclude: str | None = None):

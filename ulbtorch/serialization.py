@@ -129,41 +129,35 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
     layers = manifest.get("layers")
     if not isinstance(layers, dict):
         raise ValueError(f"{path}: 'layers' must be an object of layer name -> layer, got {type(layers).__name__}")
-    experts = _expert_groups(path, here, layers)
-    in_experts = {n for _, _, per in experts for n in per}
+    # experts: (module, weight name, [(layer name, empty layer)] in expert order)
+    experts = [(m, p, [(n, _layer_for(path, n, layers[n])) for n in per])
+               for m, p, per in _expert_groups(path, here, layers)]
+    in_experts = {n for _, _, per in experts for n, _ in per}
     swaps = [(name, here.get(name), _layer_for(path, name, spec)) for name, spec in layers.items()
              if name not in in_experts]
-    packed_experts = []
-    for m, p, per in experts:
-        _, in_f, out_f, _ = expert_shape(m, p)
-        packed_experts.append((m, p, [_layer_for(path, n, layers[n]) for n in per]))
-        for name, new in zip(per, packed_experts[-1][2]):
-            if (in_f, out_f) != (new.in_features, new.out_features):
-                raise ValueError(f"{path}: layer {name!r} is {in_f}->{out_f} in the model but "
-                                 f"{new.in_features}->{new.out_features} in the checkpoint")
-    for name, old, new in swaps:
+    for name, old, _ in swaps:
         if old is None:
             raise ValueError(f"{path}: layer {name!r} does not exist in the model")
         if not isinstance(old, (nn.Linear, LowBitLinear)):
             raise ValueError(f"{path}: layer {name!r} is a {type(old).__name__} in the model, not a linear layer")
-        if (old.in_features, old.out_features) != (new.in_features, new.out_features):
-            raise ValueError(f"{path}: layer {name!r} is {old.in_features}->{old.out_features} in the model "
-                             f"but {new.in_features}->{new.out_features} in the checkpoint")
     names = module_names(model)
+    # (name, its names in the model, in->out there, the layer the manifest describes)
+    listed = [(name, names[id(old)], (old.in_features, old.out_features), new) for name, old, new in swaps] + [
+        (name, [name], expert_shape(m, p)[1:3], new) for m, p, per in experts for name, new in per]
     with safe_open(weights, framework="pt") as f:
         saved = set(f.keys())
-    for name, old, new in swaps:
-        _check_saved(path, weights, saved, name, names[id(old)], new)
-    for (_, _, per_name), (_, _, per) in zip(experts, packed_experts):
-        for name, new in zip(per_name, per):
-            _check_saved(path, weights, saved, name, [name], new)
+    for name, aliases, (in_f, out_f), new in listed:
+        if (in_f, out_f) != (new.in_features, new.out_features):
+            raise ValueError(f"{path}: layer {name!r} is {in_f}->{out_f} in the model "
+                             f"but {new.in_features}->{new.out_features} in the checkpoint")
+        _check_saved(path, weights, saved, name, aliases, new)
     for name, m in here.items():  # layers packed already, which the manifest does not list
         if isinstance(m, LowBitLinear) and name not in layers:
             _check_saved(path, weights, saved, name, names[id(m)], m)
     for name, old, new in swaps:
         replace_everywhere(model, names, old, new)  # a layer used at two places, at both
-    for m, p, per in packed_experts:
-        pack_experts(m, {p: per})
+    for m, p, per in experts:
+        pack_experts(m, {p: [new for _, new in per]})
     missing, unexpected = load_model(model, weights, strict=False)
     missing, unexpected = sorted(missing), sorted(unexpected)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):

@@ -208,14 +208,14 @@ class UlbHfQuantizer(HfQuantizer):
     requires_calibration = False
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        targets = self.quantization_config.to_quant_config().targets(model)
+        config = self.quantization_config.to_quant_config()
+        targets = config.targets(model)
         _check_untied_output(model, targets)
         if not self.pre_quantized:
             return model
         for name, lin, c in targets:
             replace_module(model, name, _empty_layer(c, lin.in_features, lin.out_features, lin.bias is not None,
                                                      lin.weight))
-        config = self.quantization_config.to_quant_config()
         for _, m, p in config.expert_targets(model):
             n_experts, in_f, out_f, bias = expert_shape(m, p)
             like = m._parameters[p]
