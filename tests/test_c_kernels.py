@@ -24,11 +24,12 @@ def _kernel_sources(x86):
     return sources
 
 
-def _build_and_run(cc, flags, sources, exe, runner=(), isas_line=True):
+def _build_and_run(cc, flags, sources, exe, runner=(), isas_line=True, env=None, timeout=300):
     build = subprocess.run([cc, *flags, "-I" + os.path.join(ROOT, "kernels", "include"), *sources,
                             "-o", exe, "-lm", "-lpthread"], capture_output=True, text=True, timeout=180)
     assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([*runner, exe], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(exe))
+    run = subprocess.run([*runner, exe], capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(exe),
+                         env=None if env is None else {**os.environ, **env})
     assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
     assert " 0 failed" in run.stdout, run.stdout[-4000:]
     return run.stdout.split("ISAs run:")[1].splitlines()[0].split() if isas_line else None
@@ -63,19 +64,40 @@ def test_c_fork_while_the_pool_runs(tmp_path):
     _build_and_run("gcc", CFLAGS, sources, str(tmp_path / "test_fork"), isas_line=False)
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_c_pool_wakes_sleeping_workers(tmp_path):
+    """Jobs back to back with the workers asleep between them
+    (tests/c/test_pool_wake.c): a lost wake-up hangs the caller, and fails
+    by timeout."""
+    sources = [os.path.join(ROOT, "tests", "c", "test_pool_wake.c"), *_kernel_sources(x86=True)]
+    _build_and_run("gcc", CFLAGS, sources, str(tmp_path / "test_pool_wake"), isas_line=False,
+                   env={"ULB_SPIN_US": "0"}, timeout=60)
+
+
 AARCH64_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+NO_AARCH64 = "no aarch64 cross compiler and qemu-user (apt-get install gcc-aarch64-linux-gnu qemu-user)"
 
 
-@pytest.mark.skipif(AARCH64_CC is None or QEMU is None,
-                    reason="no aarch64 cross compiler and qemu-user (apt-get install gcc-aarch64-linux-gnu qemu-user)")
+@pytest.mark.skipif(AARCH64_CC is None or QEMU is None, reason=NO_AARCH64)
 def test_c_kernels_aarch64(tmp_path):
     """Where setup.py builds for a CPU other than x86-64 it leaves out
     kernels/x86: the kernels must then build and run, on the scalar
     reference alone, with the same results. Cross-compiled and run under
     qemu-user."""
     sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c"), *_kernel_sources(x86=False)]
-    isas = _build_and_run(AARCH64_CC, CFLAGS + ["-static"], sources, str(tmp_path / "test_kernels"), [QEMU])
+    isas = _build_and_run(AARCH64_CC, CFLAGS + ["-static"], sources, str(tmp_path / "test_kernels"), [QEMU],
+                          timeout=600)
     assert isas == ["scalar", "portable"], isas
+
+
+@pytest.mark.skipif(AARCH64_CC is None or QEMU is None, reason=NO_AARCH64)
+def test_c_pool_wakes_sleeping_workers_aarch64(tmp_path):
+    """The pool's sleep and wake-up under a weaker memory model than
+    x86-64's: qemu-user lets an aarch64 load pass an earlier store-release,
+    and without fences a worker slept through its job."""
+    sources = [os.path.join(ROOT, "tests", "c", "test_pool_wake.c"), *_kernel_sources(x86=False)]
+    _build_and_run(AARCH64_CC, CFLAGS + ["-static"], sources, str(tmp_path / "test_pool_wake"), [QEMU],
+                   isas_line=False, env={"ULB_SPIN_US": "0"}, timeout=120)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")

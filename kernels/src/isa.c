@@ -126,16 +126,13 @@ int ulb_lut1_enabled(void) {
     return atomic_load(&lut1_on);
 }
 
+#if defined(__x86_64__)
 /* AVX-512 VBMI's lookups, over VNNI tiles. */
 static int lut1_vnni_available(ulb_isa isa) {
-#if defined(__x86_64__)
     return (isa == ULB_ISA_AVX512 || isa == ULB_ISA_AMX) && ulb_isa_supported(ULB_ISA_AVX512) &&
            __builtin_cpu_supports("avx512vbmi");
-#else
-    (void)isa;
-    return 0;
-#endif
 }
+#endif
 
 int ulb_lut1_available(ulb_isa isa) {
 #if defined(__x86_64__)

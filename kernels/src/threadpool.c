@@ -119,8 +119,13 @@ static void *worker_main(void *arg) {
             ulb_spin_step(&w);
             if (w.spins % SPINS_PER_CHECK || now_us() - w.start_us < spin_for) continue;
             /* seq_cst, as the caller's publication: either this load sees
-             * the new job or the caller sees asleep = 1 and wakes us. */
+             * the new job or the caller sees asleep = 1 and wakes us. The
+             * fence spells out the store-before-load order that seq_cst
+             * already implies: qemu-user on an x86 host keeps it only for a
+             * fence (its aarch64 stlr, ldar pair lets the load pass the
+             * store, and a worker slept through its job for good). */
             atomic_store(&pool.asleep[tid], 1);
+            atomic_thread_fence(memory_order_seq_cst);
             if (atomic_load(&pool.gen) == seen) futex_wait(&pool.asleep[tid], 1);
             atomic_store(&pool.asleep[tid], 0);
             w = ulb_spin_start();
@@ -225,8 +230,10 @@ ulb_status ulb_parallel(int family, int nthreads, int64_t nwork, ulb_range_fn fn
     } else {
         atomic_store(&pool.pending, nthreads - 1);
         const uint32_t prev = atomic_load(&pool.gen);
-        /* seq_cst: the publication must be ordered before reading asleep. */
+        /* seq_cst, and fenced as the worker's side: the publication must be
+         * ordered before reading asleep. */
         atomic_store(&pool.gen, ((prev & ~JOB_THREADS_MASK) + JOB_COUNTER_STEP) | (uint32_t)nthreads);
+        atomic_thread_fence(memory_order_seq_cst);
         for (int t = 1; t < nthreads; t++)
             if (atomic_exchange(&pool.asleep[t], 0)) futex_wake_one(&pool.asleep[t]);
         run_share(0);
