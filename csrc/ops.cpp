@@ -11,6 +11,7 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -266,6 +267,54 @@ Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_f
   return y;
 }
 
+// The rows of linear(x[i], packed[i], bias[i]) for each i, one layer's after
+// another's: layers of one width (the experts a batch of tokens visits) in
+// one parallel region (ulb_linear_many), each to the bit as linear gives it.
+Tensor linear_many(std::vector<Tensor> x, std::vector<Tensor> packed, std::vector<Tensor> bias,
+                   int64_t out_features) {
+  const size_t n = packed.size();
+  ULB_CHECK(n > 0 && n <= INT_MAX, "ulb.linear_many: takes 1 to ", INT_MAX, " layers, got ", n);
+  ULB_CHECK(x.size() == n, "ulb.linear_many: ", x.size(), " inputs for ", n, " packed weights");
+  ULB_CHECK(bias.empty() || bias.size() == n, "ulb.linear_many: ", bias.size(), " biases for ", n,
+            " packed weights (give none, or one a layer)");
+  std::vector<ulb_linear_args> layers(n);
+  std::vector<Rows> rows;
+  std::vector<Bias> biases;
+  rows.reserve(n);
+  biases.reserve(n);
+  ulb_dtype xdt = ULB_DT_F32;
+  int32_t x_dtype = 0;
+  int64_t total = 0;
+  for (size_t i = 0; i < n; i++) {
+    const std::string op = "linear_many, layer " + std::to_string(i);
+    const Packed p = check_packed(packed[i], op.c_str());
+    const Meta mx(x[i]);
+    check_cpu(mx, op.c_str(), "input");
+    const ulb_dtype dt = act_dtype(mx, op.c_str(), "input");
+    if (i == 0) xdt = dt, x_dtype = mx.dtype;
+    ULB_CHECK(dt == xdt, "ulb.", op, ": input is ", dtype_name(mx.dtype), " but layer 0's is ", dtype_name(x_dtype));
+    ULB_CHECK(mx.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
+    ULB_CHECK(mx.last() == p.h.K, "ulb.", op, ": input has ", mx.last(), " features but the packed weight expects ",
+              p.h.K);
+    ULB_CHECK(out_features == p.h.M, "ulb.", op, ": out_features=", out_features, " but the packed weight has ",
+              p.h.M, " rows");
+    biases.push_back(checked_bias(bias.empty() ? std::nullopt : std::optional<Tensor>(bias[i]), p.h.M, op.c_str()));
+    ULB_CHECK(biases[i].dt == biases[0].dt, "ulb.", op, ": bias dtype differs from layer 0's");
+    rows.push_back(as_rows(x[i], mx, p.h.K));
+    layers[i] = {p.blob, p.nbytes, rows[i].N, rows[i].data, rows[i].ld, rows[i].inc, biases[i].ptr, nullptr,
+                 out_features};
+    total += rows[i].N;
+  }
+  Tensor y = new_tensor({total, out_features}, x_dtype);
+  char *out = static_cast<char *>(y.mutable_data_ptr());
+  const size_t row_bytes = static_cast<size_t>(out_features) * (xdt == ULB_DT_F32 ? 4 : 2);
+  for (size_t i = 0; i < n; out += row_bytes * static_cast<size_t>(layers[i].N), i++) layers[i].y = out;
+  check_ok(ulb_linear_many(layers.data(), static_cast<int>(n), xdt, biases[0].dt, xdt,
+                           static_cast<int>(torch::stable::get_num_threads())),
+           "linear_many");
+  return y;
+}
+
 std::tuple<Tensor, Tensor, Tensor> quantize_act(Tensor x, Tensor packed) {
   const ulb_header h = check_packed(packed, "quantize_act").h;
   const Meta mx(x);
@@ -347,6 +396,7 @@ STABLE_TORCH_LIBRARY(ulb, m) {
   m.def("retile(Tensor packed, int tiles=-1) -> Tensor");
   m.def("packed_info(Tensor packed) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_many(Tensor[] x, Tensor[] packed, Tensor[] bias, int out_features) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor packed) -> (Tensor, Tensor, Tensor)");
   m.def("int_dots(Tensor packed, Tensor xq, Tensor xsum) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -358,6 +408,7 @@ STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
   m.impl("unpack", TORCH_BOX(&unpack));
   m.impl("packed_info", TORCH_BOX(&packed_info));
   m.impl("linear", TORCH_BOX(&linear));
+  m.impl("linear_many", TORCH_BOX(&linear_many));
   m.impl("quantize_act", TORCH_BOX(&quantize_act));
   m.impl("int_dots", TORCH_BOX(&int_dots));
   m.impl("linear_bf16", TORCH_BOX(&linear_bf16));

@@ -38,6 +38,21 @@ def _linear_fake(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("ulb::linear_many")
+def _linear_many_fake(x, packed, bias, out_features):
+    if not packed or len(x) != len(packed) or len(bias) not in (0, len(packed)):
+        raise RuntimeError(f"ulb.linear_many: {len(x)} inputs, {len(packed)} packed weights and {len(bias)} "
+                           "biases (give one input and weight a layer, and no bias or one a layer)")
+    for i, (xi, pi) in enumerate(zip(x, packed)):
+        _check_same_device(f"linear_many, layer {i}", xi, packed_weight=pi, bias=bias[i] if bias else None)
+        _check_fake_input(f"linear_many, layer {i}", xi, _ACT_DTYPES)
+        _check_packed(pi)
+    if len({xi.dtype for xi in x}) > 1:
+        raise RuntimeError("ulb.linear_many: the inputs differ in dtype")
+    rows = sum(xi.numel() // xi.shape[-1] if xi.shape[-1] else 0 for xi in x)
+    return x[0].new_empty((rows, out_features))
+
+
 @torch.library.register_vmap("ulb::linear")
 def _linear_vmap(info, in_dims, x, packed, bias, out_features):
     # The op takes any leading dims: a batched input is one call. A batched
@@ -219,6 +234,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if x.dtype not in _ACT_DTYPES:
         raise TypeError(f"input must be float32 or bfloat16, got {x.dtype}")
     return torch.ops.ulb.linear(x, packed, bias, out_features)
+
+
+def linear_many(xs: list[torch.Tensor], packed: list[torch.Tensor], biases: list[torch.Tensor] | None,
+                out_features: int) -> torch.Tensor:
+    """torch.cat([linear(x, p, b, out_features) for x, p, b in zip(xs, packed,
+    biases)]) over the rows of each x, bit for bit, in one parallel region:
+    the threads fork and join once, and stream from one weight into the next
+    (the experts a token visits are too small to stream well one call each).
+    biases: None, or one a layer."""
+    if not packed:  # the dispatcher finds no tensor to dispatch on, and says so at length
+        raise ValueError("ulbtorch.ops.linear_many takes at least one layer, got none")
+    for x in xs:
+        if x.device.type != "cpu":
+            raise ValueError(f"ulbtorch.ops.linear_many runs on CPU; an input is on {x.device}")
+        if x.dtype not in _ACT_DTYPES:
+            raise TypeError(f"inputs must be float32 or bfloat16, got {x.dtype}")
+    return torch.ops.ulb.linear_many(xs, packed, [] if biases is None else biases, out_features)
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

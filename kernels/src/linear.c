@@ -295,35 +295,107 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     }
 }
 
-ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void *x,
-                      ulb_dtype x_dt, int64_t ldx, int64_t incx, const void *bias,
-                      ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int64_t ldy, int nthreads) {
-    ulb_weight w;
-    ulb_status st = ulb_weight_view(blob, nbytes, &w);
-    if (st != ULB_OK) return st;
-    if (N < 0 || ldy < w.M) return ULB_ERR_SHAPE;
-    if ((x_dt != ULB_DT_F32 && x_dt != ULB_DT_BF16) || (y_dt != ULB_DT_F32 && y_dt != ULB_DT_BF16) ||
-        (bias && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
-        return ULB_ERR_DTYPE;
-    if (N == 0) return ULB_OK;
-    const ulb_isa isa = ulb_isa_active();
-    const int64_t work_bytes = (nbytes - ULB_HEADER_BYTES) * N;
-    if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
-    if (nthreads > ulb_weight_npanels(&w)) nthreads = (int)ulb_weight_npanels(&w); /* as ulb_parallel will */
-    const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, nthreads, isa);
+/* Checks one layer's arguments and sets up its job: its weight view (w),
+ * its activations' scratch (q) and its kernels, for nthreads threads. */
+static ulb_status linear_job_init(const ulb_linear_args *a, ulb_dtype x_dt, ulb_dtype bias_dt, ulb_dtype y_dt,
+                                  int nthreads, ulb_isa isa, ulb_weight *w, quantized_acts *q, linear_job *job) {
+    const int64_t N = a->N;
+    const ulb_lut1_build_fn lut1_build = use_lut1(w, N, nthreads, isa);
     const ulb_gemm_kernel *gemm = ulb_gemm_for_isa(isa, N);
-    quantized_acts q;
-    st = acts_alloc(&w, lut1_build, gemm, nthreads, N, &q);
+    const ulb_status st = acts_alloc(w, lut1_build, gemm, nthreads, N, q);
     if (st != ULB_OK) return st;
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
-    const ulb_panel_pair_fn pair = use_pairs(&w, N, nthreads) ? ulb_panel_pair_for(isa, &w, lut1_build != NULL) : NULL;
-    linear_job job = {&w, &q, {x, x_dt, ldx, incx}, N, claim, 0, 0, ULB_OK, nthreads == 1, ulb_panel_for_isa(isa),
-                      pair, gemm, ulb_store_for_isa(isa),
-                      {q.xscale, bias, bias_dt, y, y_dt, ldy, N == 1 && ring_output(&w)}};
-    st = ulb_parallel(ulb_sched_family(w.bits, isa), nthreads, ulb_weight_npanels(&w), linear_panels, (void *)&job);
-    if (st == ULB_OK) st = job.acts_status;
-    acts_free(&q);
+    const ulb_panel_pair_fn pair = use_pairs(w, N, nthreads) ? ulb_panel_pair_for(isa, w, lut1_build != NULL) : NULL;
+    *job = (linear_job){w, q, {a->x, x_dt, a->ldx, a->incx}, N, claim, 0, 0, ULB_OK, nthreads == 1,
+                        ulb_panel_for_isa(isa), pair, gemm, ulb_store_for_isa(isa),
+                        {q->xscale, a->bias, bias_dt, a->y, y_dt, a->ldy, N == 1 && ring_output(w)}};
+    return ULB_OK;
+}
+
+/* Several layers as one parallel region: unit u of the region is panel
+ * u - first[i] of layer i, for first[i] <= u < first[i + 1]. */
+typedef struct {
+    linear_job *jobs;
+    const int64_t *first;
+    int count;
+} layers_job;
+
+static void layers_panels(void *ctx, int64_t u0, int64_t u1) {
+    const layers_job *job = ctx;
+    for (int i = 0; i < job->count && job->first[i] < u1; i++) {
+        const int64_t lo = u0 > job->first[i] ? u0 : job->first[i];
+        const int64_t hi = u1 < job->first[i + 1] ? u1 : job->first[i + 1];
+        if (hi > lo) linear_panels(&job->jobs[i], lo - job->first[i], hi - job->first[i]);
+    }
+}
+
+/* The driver of ulb_linear and ulb_linear_many, over caller-provided arrays
+ * of count entries (first: count + 1). */
+static ulb_status linear_layers(const ulb_linear_args *layers, int count, ulb_dtype x_dt, ulb_dtype bias_dt,
+                                ulb_dtype y_dt, int nthreads, ulb_weight *w, quantized_acts *q, linear_job *jobs,
+                                int64_t *first) {
+    int64_t work_bytes = 0;
+    int bits = 0, biased = 0;
+    first[0] = 0;
+    for (int i = 0; i < count; i++) {
+        const ulb_linear_args *a = &layers[i];
+        const ulb_status st = ulb_weight_view(a->blob, a->nbytes, &w[i]);
+        if (st != ULB_OK) return st;
+        if (a->N < 0 || a->ldy < w[i].M) return ULB_ERR_SHAPE;
+        work_bytes += (a->nbytes - ULB_HEADER_BYTES) * a->N;
+        first[i + 1] = first[i] + (a->N ? ulb_weight_npanels(&w[i]) : 0);
+        if (a->N && !bits) bits = w[i].bits;
+        biased |= a->bias != NULL;
+    }
+    if ((x_dt != ULB_DT_F32 && x_dt != ULB_DT_BF16) || (y_dt != ULB_DT_F32 && y_dt != ULB_DT_BF16) ||
+        (biased && bias_dt != ULB_DT_F32 && bias_dt != ULB_DT_BF16))
+        return ULB_ERR_DTYPE;
+    if (first[count] == 0) return ULB_OK;
+    const ulb_isa isa = ulb_isa_active();
+    if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
+    if (nthreads > first[count]) nthreads = (int)first[count]; /* as ulb_parallel will */
+    int ready = 0;
+    ulb_status st = ULB_OK;
+    for (; ready < count && st == ULB_OK; ready++)
+        if (layers[ready].N) st = linear_job_init(&layers[ready], x_dt, bias_dt, y_dt, nthreads, isa, &w[ready],
+                                                  &q[ready], &jobs[ready]);
+        else q[ready].scratch = NULL;
+    if (st == ULB_OK) {
+        layers_job job = {jobs, first, count};
+        st = ulb_parallel(ulb_sched_family(bits, isa), nthreads, first[count], layers_panels, &job);
+    }
+    for (int i = 0; i < ready; i++) {
+        if (st == ULB_OK && layers[i].N) st = jobs[i].acts_status;
+        acts_free(&q[i]);
+    }
+    return st;
+}
+
+ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N, const void *x,
+                      ulb_dtype x_dt, int64_t ldx, int64_t incx, const void *bias,
+                      ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int64_t ldy, int nthreads) {
+    const ulb_linear_args a = {blob, nbytes, N, x, ldx, incx, bias, y, ldy};
+    ulb_weight w;
+    quantized_acts q;
+    linear_job job;
+    int64_t first[2];
+    return linear_layers(&a, 1, x_dt, bias_dt, y_dt, nthreads, &w, &q, &job, first);
+}
+
+ulb_status ulb_linear_many(const ulb_linear_args *layers, int count, ulb_dtype x_dt, ulb_dtype bias_dt,
+                           ulb_dtype y_dt, int nthreads) {
+    if (count < 0) return ULB_ERR_SHAPE;
+    const size_t n = (size_t)count;
+    char *mem = malloc(n * (sizeof(ulb_weight) + sizeof(quantized_acts) + sizeof(linear_job) + sizeof(int64_t)) +
+                       sizeof(int64_t));
+    if (!mem) return ULB_ERR_NOMEM;
+    linear_job *jobs = (linear_job *)mem;
+    ulb_weight *w = (ulb_weight *)(jobs + n);
+    quantized_acts *q = (quantized_acts *)(w + n);
+    int64_t *first = (int64_t *)(q + n);
+    const ulb_status st = linear_layers(layers, count, x_dt, bias_dt, y_dt, nthreads, w, q, jobs, first);
+    free(mem);
     return st;
 }
 

@@ -473,6 +473,96 @@ static int check_lanes_tables(int *n) {
 }
 #endif
 
+/* ulb_linear_many against ulb_linear on each layer, to the bit, under every
+ * ISA, on one and two threads: layers of different shapes, groups and token
+ * counts (none too), biased or not, fp32 and bf16, padded output rows left
+ * alone; and the decode case, one token through eight equal layers. A bad
+ * blob or count fails the call before anything is written. */
+#define MANY_LAYERS 8
+static int check_linear_many(int fmt, int tiles, int decode, ulb_dtype dt, int *n) {
+    const ulb_format_info *fi = ulb_format_get(fmt);
+    static const int64_t shapes[MANY_LAYERS][4] = {/* M, K, group size, N */
+        {7, 33, 0, 1}, {100, 257, 32, 0}, {333, 1100, 128, 3}, {64, 2048, 0, 2},
+        {70, 4097, 32, 17}, {1, 16, 0, 1}, {129, 96, 32, 5}, {200, 520, 0, 1}};
+    ulb_linear_args layers[MANY_LAYERS];
+    int64_t ybytes[MANY_LAYERS];
+    uint8_t *blobs[MANY_LAYERS];
+    char *want[MANY_LAYERS], *got[MANY_LAYERS];
+    void *xs[MANY_LAYERS], *bias[MANY_LAYERS];
+    const size_t e = dt == ULB_DT_F32 ? 4 : 2;
+    int fails = 0;
+    for (int i = 0; i < MANY_LAYERS; i++) {
+        const int64_t M = decode ? 192 : shapes[i][0], K = decode ? 256 : shapes[i][1];
+        const int64_t gs = decode ? 32 : shapes[i][2], N = decode ? 1 : shapes[i][3];
+        const int64_t G = gs <= 0 || gs >= K ? 1 : (K + gs - 1) / gs, nb = ulb_packed_nbytes(fmt, M, K, gs);
+        uint8_t *codes = malloc(M * K);
+        float *sc = malloc(M * G * 4);
+        for (int64_t j = 0; j < M * K; j++) codes[j] = rnd() % (fi->max_code + 1);
+        for (int64_t j = 0; j < M * G; j++) sc[j] = (rnd() % 1000 + 1) * 1e-3f;
+        blobs[i] = malloc(nb);
+        if (ulb_pack_tiles(fmt, tiles, M, K, gs, codes, K, sc, blobs[i], nb)) { printf("pack failed\n"); return 1; }
+        free(codes); free(sc);
+        xs[i] = malloc((N ? N : 1) * K * e);
+        for (int64_t j = 0; j < N * K; j++) ulb_store_elem(xs[i], dt, j, ((int)(rnd() % 2001) - 1000) * 1e-3f);
+        bias[i] = NULL;
+        if (i % 3 != 1) {
+            bias[i] = malloc(M * e);
+            for (int64_t m = 0; m < M; m++) ulb_store_elem(bias[i], dt, m, ((int)(rnd() % 2001) - 1000) * 1e-3f);
+        }
+        const int64_t ldy = M + (i % 2) * 3;
+        ybytes[i] = (N ? N : 1) * ldy * (int64_t)e;
+        want[i] = malloc(ybytes[i]);
+        got[i] = malloc(ybytes[i]);
+        layers[i] = (ulb_linear_args){blobs[i], nb, N, decode && i ? xs[0] : xs[i], K, 1, bias[i], NULL, ldy};
+    }
+    for (int isa = 0; isa < ULB_ISA_COUNT; isa++) {
+        if (!ulb_isa_supported(isa)) continue;
+        ulb_isa_set(isa);
+        for (int i = 0; i < MANY_LAYERS; i++) {
+            const ulb_linear_args *a = &layers[i];
+            memset(want[i], 0x7f, ybytes[i]);
+            if (ulb_linear(a->blob, a->nbytes, a->N, a->x, dt, a->ldx, a->incx, a->bias, dt, want[i], dt, a->ldy, 1)) {
+                printf("linear failed\n");
+                return 1;
+            }
+        }
+        for (int threads = 1; threads <= 2; threads++, (*n)++) {
+            for (int i = 0; i < MANY_LAYERS; i++) {
+                memset(got[i], 0x7f, ybytes[i]);
+                layers[i].y = got[i];
+            }
+            const ulb_status st = ulb_linear_many(layers, MANY_LAYERS, dt, dt, dt, threads);
+            for (int i = 0; i < MANY_LAYERS; i++)
+                if (st != ULB_OK || memcmp(want[i], got[i], ybytes[i])) {
+                    printf("LINEAR_MANY MISMATCH fmt=%d tiles=%d decode=%d dt=%d isa=%s threads=%d layer %d (%s)\n",
+                           fmt, tiles, decode, dt, ulb_isa_name(isa), threads, i, ulb_status_str(st));
+                    fails++;
+                    break;
+                }
+        }
+    }
+    /* Refused before any output is written: a blob with a bad header in the
+     * last layer, a negative count, an output row shorter than M. */
+    for (int i = 0; i < MANY_LAYERS; i++) memset(got[i], 0x7f, ybytes[i]);
+    const uint8_t saved = blobs[MANY_LAYERS - 1][0];
+    blobs[MANY_LAYERS - 1][0] ^= 0xff;
+    fails += ulb_linear_many(layers, MANY_LAYERS, dt, dt, dt, 2) == ULB_OK;
+    blobs[MANY_LAYERS - 1][0] = saved;
+    layers[MANY_LAYERS - 1].ldy = 0;
+    fails += ulb_linear_many(layers, MANY_LAYERS, dt, dt, dt, 2) != ULB_ERR_SHAPE;
+    fails += ulb_linear_many(layers, -1, dt, dt, dt, 2) != ULB_ERR_SHAPE;
+    fails += ulb_linear_many(layers, 0, dt, dt, dt, 2) != ULB_OK;
+    for (int i = 0; i < MANY_LAYERS; i++) {
+        char *untouched = malloc(ybytes[i]);
+        memset(untouched, 0x7f, ybytes[i]);
+        if (memcmp(got[i], untouched, ybytes[i])) { printf("linear_many wrote on a refused call\n"); fails++; }
+        free(untouched);
+        free(blobs[i]); free(xs[i]); free(bias[i]); free(want[i]); free(got[i]);
+    }
+    (*n) += 4;
+    return fails;
+}
+
 int main(void) {
     int fails = 0, n = 0;
     const int64_t Ms[] = {1, 7, 33, 100, 1000};
@@ -566,6 +656,9 @@ int main(void) {
             for (int y_dt = 0; y_dt < 2; y_dt++, n++)
                 fails += check_linear(FORMS[f].fmt, FORMS[f].tiles, M, 1030, 0, 1, ULB_DT_BF16, X_CONTIG, 1,
                                       ULB_DT_F32, (ulb_dtype)y_dt);
+    for (int f = 0; f < N_FORMS; f++)
+        for (int decode = 0; decode < 2; decode++)
+            fails += check_linear_many(FORMS[f].fmt, FORMS[f].tiles, decode, (ulb_dtype)((f + decode) % 2), &n);
     fails += check_tile_orders(&n);
 #if defined(__x86_64__)
     if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n) + check_lanes_tables(&n);

@@ -11,7 +11,8 @@ gate_up_proj: a name that transformers' checkpoint conversions, which match
 runs, for each expert that tokens were routed to, its two layers on those
 tokens with the module's own gate in between (`_apply_gate`, or `act_fn`),
 then weighs and sums the top-k outputs of each token as transformers'
-`batched_mm` does.
+`batched_mm` does. The experts' first layers run in one call of
+ulb.linear_many, their second layers in another.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import functools
 
 import torch
 from torch import nn
+
+from .linear import _KERNEL_DTYPES, LowBitLinear
 
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 PACKED = "packed_"  # packed_gate_up_proj: the layers in place of gate_up_proj
@@ -121,19 +124,57 @@ def _expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     quantize_ was told to leave that one in float."""
     packed = m._modules.get(PACKED + name)
     if packed is not None:
-        return packed._modules[str(e)](x)  # ModuleList's __getitem__ costs 4 us a call
+        return packed._modules[str(e)](x)
     w = m._parameters[name]
     b = m._parameters[f"{name}_bias"][e] if m.has_bias else None
     return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
+
+
+def _one_call_serves(layers: list[nn.Module], xs: list[torch.Tensor]) -> bool:
+    """Whether ulb.linear_many gives what calling each layer would: every
+    layer on its kernel, plain CPU input of one kernel dtype, biases all or
+    none and of one dtype, no autocast, and nothing for autograd to record
+    (the op has no backward; the layers' own calls do)."""
+    dtype = xs[0].dtype
+    if dtype not in _KERNEL_DTYPES or torch.is_autocast_enabled("cpu"):
+        return False
+    grad = torch.is_grad_enabled()
+    for x in xs:
+        if type(x) is not torch.Tensor or x.dtype != dtype or not x.is_cpu or (grad and x.requires_grad):
+            return False
+    first_bias = layers[0]._parameters["bias"]
+    for layer in layers:
+        bias = layer._parameters["bias"]
+        if not isinstance(layer, LowBitLinear) or layer.force_reference or (bias is None) != (first_bias is None):
+            return False
+        if bias is not None and (bias.dtype != first_bias.dtype or bias.dtype not in _KERNEL_DTYPES
+                                 or (grad and bias.requires_grad)):
+            return False
+    return True
+
+
+def _experts_layer(m: nn.Module, name: str, experts: list[int], xs: list[torch.Tensor]) -> torch.Tensor:
+    """Expert experts[j]'s layer `name` on the tokens xs[j], for every j, the
+    outputs' rows stacked: packed layers in one call where it serves (the
+    per-call cost of the threads' fork and join and of the weight stream's
+    start is most of a small expert's time), else one call each."""
+    packed = m._modules.get(PACKED + name)
+    if packed is not None:
+        layers = [packed._modules[str(e)] for e in experts]  # ModuleList's __getitem__ costs 4 us a call
+        if _one_call_serves(layers, xs):
+            biases = [layer._parameters["bias"] for layer in layers]
+            return torch.ops.ulb.linear_many(xs, [layer._buffers["packed"] for layer in layers],
+                                             [] if biases[0] is None else biases, layers[0].out_features)
+    return torch.cat([_expert(m, name, e, x) for e, x in zip(experts, xs)])
 
 
 def _run_experts(m: nn.Module, experts: list[int], xs: list[torch.Tensor]) -> torch.Tensor:
     """Expert experts[j] on the tokens xs[j], for every j, their outputs
     stacked: up (and gate) per expert, the module's gate once over all of
     them (it is elementwise), down per expert."""
-    h = torch.cat([_expert(m, "gate_up_proj" if m.has_gate else "up_proj", e, x) for e, x in zip(experts, xs)])
+    h = _experts_layer(m, "gate_up_proj" if m.has_gate else "up_proj", experts, xs)
     h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
-    y = torch.cat([_expert(m, "down_proj", e, he) for e, he in zip(experts, h.split([x.shape[0] for x in xs]))])
+    y = _experts_layer(m, "down_proj", experts, list(h.split([x.shape[0] for x in xs])))
     if getattr(m, "has_post_expert_norm", False):
         y = m.post_expert_norm(y)
     return y.to(xs[0].dtype)

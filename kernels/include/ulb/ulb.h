@@ -157,6 +157,26 @@ ulb_status ulb_linear(const uint8_t *blob, int64_t nbytes, int64_t N,
                       const void *bias, ulb_dtype bias_dt,
                       void *y, ulb_dtype y_dt, int64_t ldy, int nthreads);
 
+/* One layer of ulb_linear_many: ulb_linear's arguments for one weight. */
+typedef struct {
+    const uint8_t *blob;
+    int64_t nbytes, N;
+    const void *x;
+    int64_t ldx, incx;
+    const void *bias; /* or NULL */
+    void *y;
+    int64_t ldy;
+} ulb_linear_args;
+
+/* count layers in one parallel region, each computed as ulb_linear computes
+ * it, to the bit: their panels are split over the threads as one weight's
+ * are, so the pool forks and joins once, and each thread's stream runs on
+ * from one weight into the next. For the experts a token visits, which are
+ * too small to stream well one call each. Dtypes are shared by all layers;
+ * the split follows the first non-empty layer's kernel family. */
+ulb_status ulb_linear_many(const ulb_linear_args *layers, int count, ulb_dtype x_dt, ulb_dtype bias_dt,
+                           ulb_dtype y_dt, int nthreads);
+
 /* Integer core alone, for tests: dots[n, m, g] = sum_{k in g} level[m,k] * xq[n,k]
  * from already-quantised activations xq (N x K_pad) and their per-group sums
  * xsum (N x n_groups), as ulb_quantize_act gives them: ULB_ERR_SHAPE if xq
