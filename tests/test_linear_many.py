@@ -174,3 +174,62 @@ def test_experts_take_each_layers_call_where_one_call_would_not_serve(monkeypatc
     with torch.no_grad():
         model(ids)
     assert len(calls) == 1  # the up projections only
+
+
+def test_experts_keep_each_layers_call_where_it_does_more_than_forward(monkeypatch):
+    """Hooks on a layer or global ones (accelerate's offload puts weights back
+    in one), a forward replaced on the instance, a layer wrapped in another
+    module, forward-mode AD and torch.func transforms: each layer's own call
+    runs, with what it carries, and gives the per-layer bits."""
+    import torch.autograd.forward_ad as fwAD
+
+    model = _moe(torch.float32, False)
+    experts = next(m for m in model.modules() if hasattr(m, "packed_down_proj"))
+    g = torch.Generator().manual_seed(3)
+    h, t = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    idx, w = torch.tensor([[0, 1, 2, 3], [1, 4, 5, 6], [7, 0, 2, 5]]), torch.rand(3, 4, generator=g)
+    with torch.no_grad():
+        want = experts(h, idx, w)
+    calls = _count_calls(monkeypatch)
+    seen = []
+
+    def per_layer():
+        with torch.no_grad():
+            assert torch.equal(experts(h, idx, w), want)
+
+    layer = experts.packed_down_proj[1]
+    for register in (layer.register_forward_hook, layer.register_forward_pre_hook):
+        handle = register(lambda *a: seen.append(1))
+        per_layer()
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, *a: seen.append(1) if m is layer else None)
+    per_layer()
+    handle.remove()
+    layer.forward = lambda x: (seen.append(1), type(layer).forward(layer, x))[1]
+    per_layer()
+    del layer.forward
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            seen.append(1)
+            return self.inner(x)
+
+    experts.packed_down_proj[1] = Wrap(layer)
+    per_layer()
+    experts.packed_down_proj[1] = layer
+    # the up projections in one call each time, but under the global hook, which every layer has
+    assert len(seen) == 5 and len(calls) == 4
+    with torch.no_grad(), fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(experts(fwAD.make_dual(h, t), idx, w))
+    jvp_primal, jvp_tangent = torch.func.jvp(lambda x: experts(x, idx, w), (h,), (t,))
+    assert len(calls) == 4
+    monkeypatch.setattr("ulbtorch.nn.experts._one_call_serves", lambda layers, xs: False)
+    with torch.no_grad(), fwAD.dual_level():
+        want_tangent = fwAD.unpack_dual(experts(fwAD.make_dual(h, t), idx, w)).tangent
+    assert torch.equal(primal, want) and torch.equal(jvp_primal, want)
+    assert tangent is not None and torch.equal(tangent, want_tangent)
+    torch.testing.assert_close(jvp_tangent, want_tangent)  # torch.func orders some sums its own way

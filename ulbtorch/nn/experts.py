@@ -20,8 +20,9 @@ import functools
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from .linear import _KERNEL_DTYPES, LowBitLinear
+from .linear import _KERNEL_DTYPES, LowBitLinear, _tangents_possible
 
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 PACKED = "packed_"  # packed_gate_up_proj: the layers in place of gate_up_proj
@@ -130,25 +131,36 @@ def _expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
 
 
+def _plain_layer_call(layer: nn.Module) -> bool:
+    """Whether calling layer runs LowBitLinear's forward and nothing else: no
+    hooks of its own or global ones (accelerate's offload puts the weights
+    back in one), no forward replaced on the instance or in a subclass."""
+    return (isinstance(layer, LowBitLinear) and type(layer).forward is LowBitLinear.forward
+            and type(layer).__call__ is LowBitLinear.__call__ and "forward" not in layer.__dict__ and not layer._forward_hooks and not layer._forward_pre_hooks)
+
+
 def _one_call_serves(layers: list[nn.Module], xs: list[torch.Tensor]) -> bool:
     """Whether ulb.linear_many gives what calling each layer would: every
-    layer on its kernel, plain CPU input of one kernel dtype, biases all or
-    none and of one dtype, no autocast, and nothing for autograd to record
-    (the op has no backward; the layers' own calls do)."""
+    layer a plain call on its kernel, plain CPU input of one kernel dtype,
+    biases all or none and of one dtype, no autocast, and nothing for
+    autograd to record (the op has no derivative; the layers' calls do)."""
     dtype = xs[0].dtype
-    if dtype not in _KERNEL_DTYPES or torch.is_autocast_enabled("cpu"):
+    if (dtype not in _KERNEL_DTYPES or torch.is_autocast_enabled("cpu") or _tangents_possible()
+            or _global_forward_hooks or _global_forward_pre_hooks):
         return False
     grad = torch.is_grad_enabled()
     for x in xs:
         if type(x) is not torch.Tensor or x.dtype != dtype or not x.is_cpu or (grad and x.requires_grad):
             return False
+    if not all(_plain_layer_call(layer) and not layer.force_reference for layer in layers):
+        return False
     first_bias = layers[0]._parameters["bias"]
     for layer in layers:
         bias = layer._parameters["bias"]
-        if not isinstance(layer, LowBitLinear) or layer.force_reference or (bias is None) != (first_bias is None):
+        if (bias is None) != (first_bias is None) or not layer._buffers["packed"].is_cpu:
             return False
         if bias is not None and (bias.dtype != first_bias.dtype or bias.dtype not in _KERNEL_DTYPES
-                                 or (grad and bias.requires_grad)):
+                                 or not bias.is_cpu or (grad and bias.requires_grad)):
             return False
     return True
 
