@@ -7,11 +7,11 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -286,11 +286,12 @@ Tensor linear_many(std::vector<Tensor> x, std::vector<Tensor> packed, std::vecto
   int32_t x_dtype = 0;
   int64_t total = 0;
   for (size_t i = 0; i < n; i++) {
-    const std::string op = "linear_many, layer " + std::to_string(i);
-    const Packed p = check_packed(packed[i], op.c_str());
+    char op[48];  // on the stack: a heap string a layer would cost a decode-sized call
+    std::snprintf(op, sizeof op, "linear_many, layer %zu", i);
+    const Packed p = check_packed(packed[i], op);
     const Meta mx(x[i]);
-    check_cpu(mx, op.c_str(), "input");
-    const ulb_dtype dt = act_dtype(mx, op.c_str(), "input");
+    check_cpu(mx, op, "input");
+    const ulb_dtype dt = act_dtype(mx, op, "input");
     if (i == 0) xdt = dt, x_dtype = mx.dtype;
     ULB_CHECK(dt == xdt, "ulb.", op, ": input is ", dtype_name(mx.dtype), " but layer 0's is ", dtype_name(x_dtype));
     ULB_CHECK(mx.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
@@ -298,7 +299,7 @@ Tensor linear_many(std::vector<Tensor> x, std::vector<Tensor> packed, std::vecto
               p.h.K);
     ULB_CHECK(out_features == p.h.M, "ulb.", op, ": out_features=", out_features, " but the packed weight has ",
               p.h.M, " rows");
-    biases.push_back(checked_bias(bias.empty() ? std::nullopt : std::optional<Tensor>(bias[i]), p.h.M, op.c_str()));
+    biases.push_back(checked_bias(bias.empty() ? std::nullopt : std::optional<Tensor>(bias[i]), p.h.M, op));
     ULB_CHECK(biases[i].dt == biases[0].dt, "ulb.", op, ": bias dtype differs from layer 0's");
     rows.push_back(as_rows(x[i], mx, p.h.K));
     layers[i] = {p.blob, p.nbytes, rows[i].N, rows[i].data, rows[i].ld, rows[i].inc, biases[i].ptr, nullptr,

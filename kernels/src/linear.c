@@ -330,8 +330,9 @@ static void layers_panels(void *ctx, int64_t u0, int64_t u1) {
     }
 }
 
-/* The driver of ulb_linear and ulb_linear_many, over caller-provided arrays
- * of count entries (first: count + 1). */
+/* The driver of ulb_linear and ulb_linear_many. The caller provides the
+ * arrays of count entries (first: count + 1), so that ulb_linear, the
+ * decode path, keeps them on its stack rather than allocate them. */
 static ulb_status linear_layers(const ulb_linear_args *layers, int count, ulb_dtype x_dt, ulb_dtype bias_dt,
                                 ulb_dtype y_dt, int nthreads, ulb_weight *w, quantized_acts *q, linear_job *jobs,
                                 int64_t *first) {
@@ -355,17 +356,19 @@ static ulb_status linear_layers(const ulb_linear_args *layers, int count, ulb_dt
     const ulb_isa isa = ulb_isa_active();
     if (work_bytes < ULB_PARALLEL_MIN_BYTES) nthreads = 1;
     if (nthreads > first[count]) nthreads = (int)first[count]; /* as ulb_parallel will */
-    int ready = 0;
+    /* Every layer's scratch is set (allocated, or NULL) before any is used,
+     * so one loop frees them whatever failed. */
     ulb_status st = ULB_OK;
-    for (; ready < count && st == ULB_OK; ready++)
-        if (layers[ready].N) st = linear_job_init(&layers[ready], x_dt, bias_dt, y_dt, nthreads, isa, &w[ready],
-                                                  &q[ready], &jobs[ready]);
-        else q[ready].scratch = NULL;
+    for (int i = 0; i < count; i++) {
+        q[i].scratch = NULL;
+        if (st == ULB_OK && layers[i].N)
+            st = linear_job_init(&layers[i], x_dt, bias_dt, y_dt, nthreads, isa, &w[i], &q[i], &jobs[i]);
+    }
     if (st == ULB_OK) {
         layers_job job = {jobs, first, count};
         st = ulb_parallel(ulb_sched_family(bits, isa), nthreads, first[count], layers_panels, &job);
     }
-    for (int i = 0; i < ready; i++) {
+    for (int i = 0; i < count; i++) {
         if (st == ULB_OK && layers[i].N) st = jobs[i].acts_status;
         acts_free(&q[i]);
     }
