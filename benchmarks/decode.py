@@ -94,6 +94,30 @@ def time_decode(model, ids, n_new, reps, warmup=1):
     return statistics.median(t_full), statistics.median(t_one), out
 
 
+def experts_ab(model, ids, n_new, rounds):
+    """Decode tok/s with each packed experts module's layers in two calls of
+    ulb.linear_many, and with one call a layer (what the experts do where one
+    call would not serve), in turn, the order swapped every round."""
+    import ulbtorch.nn.experts as experts
+    one_call = experts._one_call_serves
+    paths = {"two calls": one_call, "a call a layer": lambda layers, xs: False}
+    tps, outs = {k: [] for k in paths}, {}
+    try:
+        for r in range(rounds):
+            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                experts._one_call_serves = paths[name]
+                t0 = time.perf_counter()
+                outs[name] = generate(model, ids, n_new)
+                tps[name].append(n_new / (time.perf_counter() - t0))
+    finally:
+        experts._one_call_serves = one_call
+    ratios = [a / b for a, b in zip(*tps.values())]
+    print(f"  experts in two calls: {statistics.median(tps['two calls']):.2f} tok/s, a call a layer: "
+          f"{statistics.median(tps['a call a layer']):.2f}; per round "
+          f"{', '.join(f'{x:.3f}' for x in ratios)}x (median {statistics.median(ratios):.3f}x); "
+          f"same tokens: {torch.equal(*outs.values())}")
+
+
 class LinearTimer:
     """Forward hooks that add up wall time spent inside selected modules."""
 
@@ -195,6 +219,9 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="also run each variant with torch.compile(model.forward)")
     p.add_argument("--profile", action="store_true",
                    help="share of decode time in linear layers (bf16) / ulb ops (quantized) and the Amdahl bound")
+    p.add_argument("--experts-ab", type=int, default=0, metavar="ROUNDS",
+                   help="MoE configs: also time each quantized variant's decode with the experts' layers in two "
+                        "ulb.linear_many calls and with a call a layer, in turn for ROUNDS rounds")
     p.add_argument("--isa", choices=ulbtorch.runtime.ISAS, help="force one kernel ISA")
     p.add_argument("--thread-pool", choices=["torch", "ulb"], default="torch",
                    help="where ulbtorch's parallel regions run: PyTorch's intra-op threads (default) "
@@ -343,6 +370,8 @@ def main(argv=None):
         out = run_variant(name, qm)
         results[name]["same_tokens_as_bf16"] = bool(torch.equal(out, ref_out))
         run_compiled(name, qm)
+        if args.experts_ab and any(hasattr(m, "packed_down_proj") for m in qm.modules()):
+            experts_ab(qm, ids, args.tokens, args.experts_ab)
         if args.profile:
             # a packed experts module whole (routing and gating included), not its layers again
             cls_q = lambda n, m: (None if parse_expert_layer_name(n) else  # noqa: E731

@@ -32,6 +32,8 @@ RUNS = {
     "decode": (["decode.py", "--quick", "--shapes", "{shapes}"], "tok/s"),
     "decode_moe": (["decode.py", "--quick", "--config", "olmoe-1b-7b", "--vocab-size", "1000", "--tokens", "2",
                     "--profile", "--shapes", "{shapes}"], "Amdahl"),
+    "decode_moe_ab": (["decode.py", "--quick", "--config", "olmoe-1b-7b", "--vocab-size", "1000", "--tokens", "2",
+                       "--experts-ab", "2", "--shapes", "{shapes}"], "same tokens: True"),
     "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
                    "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }
