@@ -247,22 +247,37 @@ Tensor new_output(const Meta &x, int64_t M) {
   return new_tensor(shape, x.dtype);
 }
 
-Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
-  const Packed p = check_packed(packed, "linear");
+// One layer of linear or linear_many, its arguments checked as `op` names
+// them: the packed weight, x's dtype and rows, the bias.
+struct Layer {
+  Packed p;
+  Meta mx;
+  ulb_dtype xdt;
+  Bias b;
+  Rows rows;
+};
+
+Layer checked_layer(const Tensor &x, const Tensor &packed, const std::optional<Tensor> &bias, int64_t out_features,
+                    const char *op) {
+  const Packed p = check_packed(packed, op);
   const Meta mx(x);
-  check_cpu(mx, "linear", "input");
-  const ulb_dtype xdt = act_dtype(mx, "linear", "input");
-  ULB_CHECK(mx.dim >= 1, "ulb.linear: input must have at least 1 dim");
-  const int64_t K = mx.last();
-  ULB_CHECK(K == p.h.K, "ulb.linear: input has ", K, " features but the packed weight expects ", p.h.K);
-  ULB_CHECK(out_features == p.h.M, "ulb.linear: out_features=", out_features,
-            " but the packed weight has ", p.h.M, " rows");
-  const Bias b = checked_bias(bias, p.h.M, "linear");
-  Tensor y = new_output(mx, p.h.M);
-  const Rows rows = as_rows(x, mx, K);
-  if (rows.N == 0) return y;
-  check_ok(ulb_linear(p.blob, p.nbytes, rows.N, rows.data, xdt, rows.ld, rows.inc, b.ptr, b.dt,
-                      y.mutable_data_ptr(), xdt, p.h.M, static_cast<int>(torch::stable::get_num_threads())),
+  check_cpu(mx, op, "input");
+  const ulb_dtype xdt = act_dtype(mx, op, "input");
+  ULB_CHECK(mx.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
+  ULB_CHECK(mx.last() == p.h.K, "ulb.", op, ": input has ", mx.last(), " features but the packed weight expects ",
+            p.h.K);
+  ULB_CHECK(out_features == p.h.M, "ulb.", op, ": out_features=", out_features, " but the packed weight has ",
+            p.h.M, " rows");
+  Bias b = checked_bias(bias, p.h.M, op);
+  return {p, mx, xdt, std::move(b), as_rows(x, mx, p.h.K)};
+}
+
+Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
+  const Layer l = checked_layer(x, packed, bias, out_features, "linear");
+  Tensor y = new_output(l.mx, l.p.h.M);
+  if (l.rows.N == 0) return y;
+  check_ok(ulb_linear(l.p.blob, l.p.nbytes, l.rows.N, l.rows.data, l.xdt, l.rows.ld, l.rows.inc, l.b.ptr, l.b.dt,
+                      y.mutable_data_ptr(), l.xdt, l.p.h.M, static_cast<int>(torch::stable::get_num_threads())),
            "linear");
   return y;
 }
@@ -277,40 +292,27 @@ Tensor linear_many(std::vector<Tensor> x, std::vector<Tensor> packed, std::vecto
   ULB_CHECK(x.size() == n, "ulb.linear_many: ", x.size(), " inputs for ", n, " packed weights");
   ULB_CHECK(bias.empty() || bias.size() == n, "ulb.linear_many: ", bias.size(), " biases for ", n,
             " packed weights (give none, or one a layer)");
+  std::vector<Layer> checked;  // holds the copies some inputs and biases need until the kernel has run
+  checked.reserve(n);
   std::vector<ulb_linear_args> layers(n);
-  std::vector<Rows> rows;
-  std::vector<Bias> biases;
-  rows.reserve(n);
-  biases.reserve(n);
-  ulb_dtype xdt = ULB_DT_F32;
-  int32_t x_dtype = 0;
   int64_t total = 0;
   for (size_t i = 0; i < n; i++) {
     char op[48];  // on the stack: a heap string a layer would cost a decode-sized call
     std::snprintf(op, sizeof op, "linear_many, layer %zu", i);
-    const Packed p = check_packed(packed[i], op);
-    const Meta mx(x[i]);
-    check_cpu(mx, op, "input");
-    const ulb_dtype dt = act_dtype(mx, op, "input");
-    if (i == 0) xdt = dt, x_dtype = mx.dtype;
-    ULB_CHECK(dt == xdt, "ulb.", op, ": input is ", dtype_name(mx.dtype), " but layer 0's is ", dtype_name(x_dtype));
-    ULB_CHECK(mx.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
-    ULB_CHECK(mx.last() == p.h.K, "ulb.", op, ": input has ", mx.last(), " features but the packed weight expects ",
-              p.h.K);
-    ULB_CHECK(out_features == p.h.M, "ulb.", op, ": out_features=", out_features, " but the packed weight has ",
-              p.h.M, " rows");
-    biases.push_back(checked_bias(bias.empty() ? std::nullopt : std::optional<Tensor>(bias[i]), p.h.M, op));
-    ULB_CHECK(biases[i].dt == biases[0].dt, "ulb.", op, ": bias dtype differs from layer 0's");
-    rows.push_back(as_rows(x[i], mx, p.h.K));
-    layers[i] = {p.blob, p.nbytes, rows[i].N, rows[i].data, rows[i].ld, rows[i].inc, biases[i].ptr, nullptr,
-                 out_features};
-    total += rows[i].N;
+    const Layer &l = checked.emplace_back(
+        checked_layer(x[i], packed[i], bias.empty() ? std::nullopt : std::optional<Tensor>(bias[i]), out_features, op));
+    ULB_CHECK(l.xdt == checked[0].xdt, "ulb.", op, ": input is ", dtype_name(l.mx.dtype), " but layer 0's is ",
+              dtype_name(checked[0].mx.dtype));
+    ULB_CHECK(l.b.dt == checked[0].b.dt, "ulb.", op, ": bias dtype differs from layer 0's");
+    layers[i] = {l.p.blob, l.p.nbytes, l.rows.N, l.rows.data, l.rows.ld, l.rows.inc, l.b.ptr, nullptr, out_features};
+    total += l.rows.N;
   }
-  Tensor y = new_tensor({total, out_features}, x_dtype);
+  const ulb_dtype xdt = checked[0].xdt;
+  Tensor y = new_tensor({total, out_features}, checked[0].mx.dtype);
   char *out = static_cast<char *>(y.mutable_data_ptr());
   const size_t row_bytes = static_cast<size_t>(out_features) * (xdt == ULB_DT_F32 ? 4 : 2);
   for (size_t i = 0; i < n; out += row_bytes * static_cast<size_t>(layers[i].N), i++) layers[i].y = out;
-  check_ok(ulb_linear_many(layers.data(), static_cast<int>(n), xdt, biases[0].dt, xdt,
+  check_ok(ulb_linear_many(layers.data(), static_cast<int>(n), xdt, checked[0].b.dt, xdt,
                            static_cast<int>(torch::stable::get_num_threads())),
            "linear_many");
   return y;

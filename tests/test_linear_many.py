@@ -44,7 +44,8 @@ def test_equals_linear_on_each_layer(gen, isa, form):
     for dtype, bias_dtype in ((torch.float32, None), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
         xs, blobs, biases = _layers(gen, form, M, dtype, bias_dtype)
         with runtime.use_isa(isa):
-            want = torch.cat([torch.ops.ulb.linear(x, b, bias, M).reshape(-1, M) for x, b, bias in zip(xs, blobs, biases)])
+            want = torch.cat([torch.ops.ulb.linear(x, b, bias, M).reshape(-1, M)
+                              for x, b, bias in zip(xs, blobs, biases)])
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 got = ops.linear_many(xs, blobs, None if bias_dtype is None else biases, M)

@@ -295,7 +295,7 @@ static void linear_panels(void *ctx, int64_t p0, int64_t p1) {
     }
 }
 
-/* Checks one layer's arguments and sets up its job: its weight view (w),
+/* Sets up one layer's job over its weight view w (checked by the caller):
  * its activations' scratch (q) and its kernels, for nthreads threads. */
 static ulb_status linear_job_init(const ulb_linear_args *a, ulb_dtype x_dt, ulb_dtype bias_dt, ulb_dtype y_dt,
                                   int nthreads, ulb_isa isa, ulb_weight *w, quantized_acts *q, linear_job *job) {

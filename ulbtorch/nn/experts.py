@@ -120,12 +120,9 @@ def pack_experts(m: nn.Module, layers: dict[str, list[nn.Module]]) -> None:
     m._is_hf_initialized = True
 
 
-def _expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert e's layer `name` on x: packed, or the 3-D float weight where
-    quantize_ was told to leave that one in float."""
-    packed = m._modules.get(PACKED + name)
-    if packed is not None:
-        return packed._modules[str(e)](x)
+def _float_expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's layer `name` on x, from the 3-D float weight quantize_ was
+    told to leave in float."""
     w = m._parameters[name]
     b = m._parameters[f"{name}_bias"][e] if m.has_bias else None
     return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
@@ -136,7 +133,8 @@ def _plain_layer_call(layer: nn.Module) -> bool:
     hooks of its own or global ones (accelerate's offload puts the weights
     back in one), no forward replaced on the instance or in a subclass."""
     return (isinstance(layer, LowBitLinear) and type(layer).forward is LowBitLinear.forward
-            and type(layer).__call__ is LowBitLinear.__call__ and "forward" not in layer.__dict__ and not layer._forward_hooks and not layer._forward_pre_hooks)
+            and type(layer).__call__ is LowBitLinear.__call__ and "forward" not in layer.__dict__
+            and not layer._forward_hooks and not layer._forward_pre_hooks)
 
 
 def _one_call_serves(layers: list[nn.Module], xs: list[torch.Tensor]) -> bool:
@@ -171,13 +169,14 @@ def _experts_layer(m: nn.Module, name: str, experts: list[int], xs: list[torch.T
     per-call cost of the threads' fork and join and of the weight stream's
     start is most of a small expert's time), else one call each."""
     packed = m._modules.get(PACKED + name)
-    if packed is not None:
-        layers = [packed._modules[str(e)] for e in experts]  # ModuleList's __getitem__ costs 4 us a call
-        if _one_call_serves(layers, xs):
-            biases = [layer._parameters["bias"] for layer in layers]
-            return torch.ops.ulb.linear_many(xs, [layer._buffers["packed"] for layer in layers],
-                                             [] if biases[0] is None else biases, layers[0].out_features)
-    return torch.cat([_expert(m, name, e, x) for e, x in zip(experts, xs)])
+    if packed is None:
+        return torch.cat([_float_expert(m, name, e, x) for e, x in zip(experts, xs)])
+    layers = [packed._modules[str(e)] for e in experts]  # ModuleList's __getitem__ costs 4 us a call
+    if _one_call_serves(layers, xs):
+        biases = [layer._parameters["bias"] for layer in layers]
+        return torch.ops.ulb.linear_many(xs, [layer._buffers["packed"] for layer in layers],
+                                         [] if biases[0] is None else biases, layers[0].out_features)
+    return torch.cat([layer(x) for layer, x in zip(layers, xs)])
 
 
 def _run_experts(m: nn.Module, experts: list[int], xs: list[torch.Tensor]) -> torch.Tensor:
