@@ -198,6 +198,10 @@ ulb_isa ulb_isa_best(void);
  * a prefetch distance was measured to pay off on one vendor only. */
 int ulb_cpu_intel(void);
 
+/* Whether this is an AMD Zen 4 (family 19h with AVX-512, which it runs in
+ * two 256-bit halves), detected once: its prefetch rule differs from Zen 5's. */
+int ulb_cpu_zen4(void);
+
 /* The read probe's loop over `words` 8-byte words at q, read as `streams`
  * interleaved runs of ulb_probe_run_words words (a line of each in turn),
  * then the tail, prefetching dist bytes ahead of each (0: none): their sum

@@ -72,6 +72,7 @@ int ulb_isa_supported(ulb_isa isa) {
 static _Atomic int active_isa = -1;
 static ulb_isa cpu_best = ULB_ISA_PORTABLE; /* set once by isa_init */
 static int cpu_intel;                          /* likewise */
+static int cpu_zen4;                           /* likewise */
 static _Atomic int lut1_on = 1;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
@@ -79,6 +80,13 @@ static void isa_init(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     cpu_intel = __builtin_cpu_is("intel");
+#endif
+#if defined(__x86_64__)
+    unsigned eax, ebx, ecx, edx;
+    if (__builtin_cpu_is("amd") && __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+        const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
+        cpu_zen4 = family == 0x19 && __builtin_cpu_supports("avx512f"); /* Zen 3 shares the family */
+    }
 #endif
     if (ulb_isa_supported(ULB_ISA_AVX2)) cpu_best = ULB_ISA_AVX2;
     if (ulb_isa_supported(ULB_ISA_AVXVNNI)) cpu_best = ULB_ISA_AVXVNNI;
@@ -102,6 +110,11 @@ ulb_isa ulb_isa_best(void) {
 int ulb_cpu_intel(void) {
     pthread_once(&isa_once, isa_init);
     return cpu_intel;
+}
+
+int ulb_cpu_zen4(void) {
+    pthread_once(&isa_once, isa_init);
+    return cpu_zen4;
 }
 
 ulb_isa ulb_isa_active(void) {
