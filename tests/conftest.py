@@ -16,7 +16,7 @@ def _restore_runtime_state():
     """No test may leak an ISA choice, a kernel switch, a prefetch distance or
     a thread count into the next one."""
     isa = runtime.get_isa()
-    lut1 = runtime.lut1_enabled()
+    lut1 = runtime.lut1_setting()
     eager = runtime.eager_fast_path()
     nthreads = torch.get_num_threads()
     prefetch = {bits: runtime.prefetch_distance(bits) for bits in runtime.PREFETCH_WIDTHS}

@@ -451,10 +451,10 @@ def test_runtime_controls():
 @pytest.mark.parametrize("bad", ["no", 1, None])
 def test_runtime_switches_take_bools(switch, bad):
     """set_eager_fast_path("no") turned the fast path on."""
-    before = runtime.eager_fast_path(), runtime.lut1_enabled()
-    with pytest.raises(TypeError, match=f"takes True or False, got {bad!r}"):
+    before = runtime.eager_fast_path(), runtime.lut1_setting()
+    with pytest.raises(TypeError, match=f"takes True(,| or) False.* got {bad!r}"):
         switch(bad)
-    assert (runtime.eager_fast_path(), runtime.lut1_enabled()) == before
+    assert (runtime.eager_fast_path(), runtime.lut1_setting()) == before
 
 
 @pytest.mark.parametrize("bits", [2 ** 40, 2 ** 32 + 2, -1, 3, 2.0, True, "2", None])
@@ -497,16 +497,18 @@ def test_read_probe_thread_count(threads):
 
 
 def test_lut1_switch(monkeypatch):
-    at_load = os.environ.get("ULB_LUT1") != "0" and runtime.lut1_available()
-    assert runtime.lut1_enabled() == at_load, "the 1-bit lookup-table kernel is on where it can run, unless ULB_LUT1=0"
+    at_load = {"0": False, "1": True}.get(os.environ.get("ULB_LUT1"), "auto")
+    assert runtime.lut1_setting() == at_load, "the 1-bit lookup-table kernels are on 'auto' unless ULB_LUT1 says"
+    assert runtime.lut1_enabled() == (at_load is not False and runtime.lut1_available())
     if runtime.lut1_available():
-        with runtime.use_lut1(not at_load):
-            assert runtime.lut1_enabled() != at_load
-        assert runtime.lut1_enabled() == at_load
-        env = dict(os.environ, ULB_LUT1="0")
-        out = subprocess.run([sys.executable, "-c", "import ulbtorch; print(ulbtorch.runtime.lut1_enabled())"],
-                             capture_output=True, text=True, timeout=120, env=env)
-        assert out.stdout.strip() == "False", out.stderr
+        for other in (True, False, "auto"):
+            with runtime.use_lut1(other):
+                assert runtime.lut1_setting() == other and runtime.lut1_enabled() == (other is not False)
+            assert runtime.lut1_setting() == at_load
+        for env_value, shown in (("0", "False"), ("1", "True"), ("auto", "'auto'"), ("", "'auto'")):
+            out = subprocess.run([sys.executable, "-c", "import ulbtorch; print(repr(ulbtorch.runtime.lut1_setting()))"],
+                                 capture_output=True, text=True, timeout=120, env=dict(os.environ, ULB_LUT1=env_value))
+            assert out.stdout.strip() == shown, (env_value, out.stderr)
     monkeypatch.setattr(runtime, "lut1_available", lambda isa=None: False)
     assert not runtime.lut1_enabled()
     with pytest.raises(RuntimeError, match="no 1-bit lookup-table kernel runs on this CPU"):

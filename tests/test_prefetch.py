@@ -1,5 +1,6 @@
 """The kernels' software prefetch distance (runtime.prefetch_distance): chosen
-at load by CPU vendor, settable, checked, and never a change in results."""
+at load by CPU vendor, settable, checked, and never a change in results; and
+the other choice by CPU, which 1-bit calls take a lookup-table kernel."""
 import os
 import subprocess
 import sys
@@ -163,3 +164,33 @@ def test_read_probe_checksum_does_not_depend_on_distance(gen):
             assert runtime.read_probe(buf, threads) == want, (d, threads)
             for streams in (2, 3, 4, runtime.PROBE_MAX_STREAMS):
                 assert runtime.read_probe(buf, threads, streams) == want, (d, threads, streams)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU vendor from /proc/cpuinfo")
+def test_lut1_rule():
+    """"auto" takes the one-token lookups over "vnni" tiles on Intel and Zen 4
+    only (on Zen 5 masking streams faster); True wherever a kernel runs; the
+    AVX2 lookups over "lanes" tiles, up to 4 tokens, under both."""
+    cpu = _cpu_info()
+    pays = cpu.get("vendor_id") == "GenuineIntel" or (cpu.get("vendor_id") == "AuthenticAMD"
+                                                       and cpu.get("cpu family") == "25")
+    for isa in KERNELS:
+        vnni = isa in ("avx512", "amx") and "avx512vbmi" in cpu.get("flags", "").split()
+        lanes = isa in ("avx2", "avxvnni", "avx512", "amx")
+        for setting in ("auto", True, False):
+            if setting is True and not runtime.lut1_available():
+                continue
+            with runtime.use_lut1(setting):
+                for tokens in (0, 1, 2, 4, 5):
+                    for threads in (1, 2):
+                        on = setting is not False and tokens >= 1
+                        want_vnni = on and vnni and tokens == 1 and threads == 1 and (setting is True or pays)
+                        assert runtime.lut1_serves("vnni", tokens, threads, isa) == want_vnni, (isa, setting, tokens)
+                        want_lanes = on and lanes and tokens <= 4
+                        assert runtime.lut1_serves("lanes", tokens, threads, isa) == want_lanes, (isa, setting, tokens)
+    with pytest.raises(ValueError, match="unknown tile order"):
+        runtime.lut1_serves("rows", 1, 1)
+    with pytest.raises(ValueError, match="tokens must be"):
+        runtime.lut1_serves("vnni", -1, 1)
+    with pytest.raises(ValueError, match="threads must be"):
+        runtime.lut1_serves("vnni", 1, 0)

@@ -35,7 +35,8 @@ _lib.ulb_isa_active.restype = ctypes.c_int
 _lib.ulb_isa_supported.argtypes = [ctypes.c_int]
 _lib.ulb_tiles_preferred.argtypes = [ctypes.c_int]
 _lib.ulb_isa_set.argtypes = [ctypes.c_int]
-_lib.ulb_lut1_enable.argtypes = [ctypes.c_int]
+_lib.ulb_lut1_set.argtypes = [ctypes.c_int]
+_lib.ulb_lut1_serves.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
 _lib.ulb_lut1_available.argtypes = [ctypes.c_int]
 _lib.ulb_prefetch_get.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
 _lib.ulb_prefetch_set.argtypes = [ctypes.c_int, ctypes.c_int64]
@@ -212,29 +213,57 @@ def lut1_available(isa: str | None = None) -> bool:
     return any(_lib.ulb_lut1_available(_isa_index(n)) for n in names)
 
 
+_LUT1_MODES = {False: 0, True: 1, "auto": -1}  # ULB_LUT1_OFF, _ON, _AUTO
+
+
+def lut1_setting():
+    """The 1-bit lookup-table kernels' setting: "auto" (the default), True
+    or False (see set_lut1)."""
+    mode = _lib.ulb_lut1_get()
+    return next(k for k, v in _LUT1_MODES.items() if v == mode)
+
+
 def lut1_enabled() -> bool:
-    """Whether 1-bit GEMVs run a lookup-table kernel where one serves."""
-    return bool(_lib.ulb_lut1_enabled()) and lut1_available()
+    """Whether 1-bit GEMVs may run a lookup-table kernel (the setting is not
+    False and one runs on this CPU); lut1_serves says which calls do."""
+    return lut1_setting() is not False and lut1_available()
 
 
-def set_lut1(on: bool) -> None:
-    """The 1-bit lookup-table kernels (after T-MAC), on by default; off, the
-    masking kernels serve. Under AVX2, over "lanes" tiles (the default
+def set_lut1(on) -> None:
+    """The 1-bit lookup-table kernels (after T-MAC). "auto", the default,
+    takes them where they pay; True wherever one can run; False never (the
+    masking kernels serve). Under AVX2, over "lanes" tiles (the default
     there), for calls of up to 4 tokens on any thread count: 1.8x faster in
-    cache, 1.3-1.4x from DRAM for one token, 2.7-3.2x for four. Under
-    AVX-512 VBMI, over "vnni" tiles, one token on one thread: 1.26x in cache,
-    from DRAM trading places with the machine's state
-    (benchmarks/results/README.md). ULB_LUT1=0 in the environment turns them
-    off at load."""
-    _check_bool(on, "set_lut1")
-    if on and not lut1_available():
+    cache, 1.3-1.4x from DRAM for one token, 2.7-3.2x for four ("auto": on).
+    Under AVX-512 VBMI, over "vnni" tiles, one token on one thread: 1.26x in
+    cache; from DRAM 0.90-1.07x on a Xeon VM and 0.74-0.99x on Zen 5, where
+    the masking kernel outruns one core's stream ("auto": on Intel and Zen 4
+    only; benchmarks/README.md). ULB_LUT1=0|1|auto in the environment sets it
+    at load."""
+    if not (isinstance(on, bool) or on == "auto"):
+        raise TypeError(f"set_lut1 takes True, False or 'auto', got {on!r}")
+    if on is True and not lut1_available():
         raise RuntimeError("no 1-bit lookup-table kernel runs on this CPU (they need AVX2)")
-    _lib.ulb_lut1_enable(int(on))
+    _lib.ulb_lut1_set(_LUT1_MODES[on])
 
 
-def use_lut1(on: bool):
-    """Run the enclosed calls with the 1-bit lookup-table kernel on or off."""
-    return _setting(lut1_enabled, set_lut1, on)
+def use_lut1(on):
+    """Run the enclosed calls with the 1-bit lookup-table setting `on`."""
+    return _setting(lut1_setting, set_lut1, on)
+
+
+def lut1_serves(tiles: str, tokens: int, threads: int, isa: str | None = None) -> bool:
+    """Whether a 1-bit call of `tokens` tokens on `threads` threads over
+    `tiles` ("vnni" or "lanes") takes a lookup-table kernel under `isa`
+    (None: the active one), as the setting stands."""
+    from .ops import TILE_ORDERS
+    if tiles not in TILE_ORDERS:
+        raise ValueError(f"unknown tile order {tiles!r}; choose from {TILE_ORDERS}")
+    if not (_is_int(tokens) and tokens >= 0):
+        raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
+    _check_threads(threads)
+    index = _lib.ulb_isa_active() if isa is None else _isa_index(isa)
+    return bool(_lib.ulb_lut1_serves(TILE_ORDERS.index(tiles), min(tokens, (1 << 63) - 1), threads, index))
 
 
 def _load_eager():

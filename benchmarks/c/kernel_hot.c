@@ -37,7 +37,7 @@ int main(int argc, char **argv) {
         for (int isa = ULB_ISA_AVX2; isa < ULB_ISA_COUNT; isa++) {
             if (!ulb_isa_supported(isa)) continue;
             ulb_panel_fn fn = ulb_panel_for_isa(isa);
-            /* 1-bit one-token calls also with the lookup tables (ulb_lut1_enable). */
+            /* 1-bit one-token calls also with the lookup tables, whatever ulb_lut1_serves says. */
             const ulb_lut1_build_fn build = ulb_lut1_builder_for(&w, isa);
             for (int n = 0; build && n < ULB_NB_MAX; n++)
                 build(xq + n * w.K_pad, w.ksteps, lut1 + n * w.ksteps * ULB_LUT1_STEP_BYTES);

@@ -224,7 +224,7 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
 
 /* One-token 1-bit GEMV by table lookup (x86/lut1_avx512.c): tables of
  * ULB_LUT1_STEP_BYTES per 32 columns, built once per call; AVX-512 VBMI only,
- * used unless disabled (ulb_lut1_enable). ulb_lut1_group_avx512 sums k-steps
+ * where ulb_lut1_serves says. ulb_lut1_group_avx512 sums k-steps
  * [ks0, ks1) of one group whose codes start at `codes`. */
 #define ULB_LUT1_STEP_BYTES 256
 /* Tokens a call may take the LANES lookups for: their tables follow one
@@ -249,7 +249,7 @@ void ulb_lut1_lanes_pair_avx2(const uint8_t *codes_p, const uint8_t *codes_q, in
                               const uint8_t *lut, int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc_p,
                               int32_t *acc_q);
 /* The table builder for one token on w under `isa`, or NULL where no lookup
- * kernel serves (ulb_lut1_enabled aside). */
+ * kernel serves (ulb_lut1_serves aside). */
 ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa);
 
 /* Rows kernel of the one-token bf16 GEMV (src/gemv_bf16.c): out[r] = the

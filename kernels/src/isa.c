@@ -73,7 +73,7 @@ static _Atomic int active_isa = -1;
 static ulb_isa cpu_best = ULB_ISA_PORTABLE; /* set once by isa_init */
 static int cpu_intel;                          /* likewise */
 static int cpu_zen4;                           /* likewise */
-static _Atomic int lut1_on = 1;
+static _Atomic int lut1_mode = ULB_LUT1_AUTO;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
 static void isa_init(void) {
@@ -94,7 +94,8 @@ static void isa_init(void) {
     if (ulb_isa_supported(ULB_ISA_AMX)) cpu_best = ULB_ISA_AMX;
     ulb_isa best = cpu_best;
     const char *lut = getenv("ULB_LUT1");
-    if (lut && !strcmp(lut, "0")) atomic_store(&lut1_on, 0);
+    if (lut && !strcmp(lut, "0")) atomic_store(&lut1_mode, ULB_LUT1_OFF);
+    if (lut && !strcmp(lut, "1")) atomic_store(&lut1_mode, ULB_LUT1_ON);
     const char *env = getenv("ULB_ISA");
     if (env)
         for (int i = 0; i < ULB_ISA_COUNT; i++)
@@ -129,14 +130,16 @@ ulb_status ulb_isa_set(ulb_isa isa) {
     return ULB_OK;
 }
 
-void ulb_lut1_enable(int on) {
+ulb_status ulb_lut1_set(int mode) {
     pthread_once(&isa_once, isa_init);
-    atomic_store(&lut1_on, on != 0);
+    if (mode != ULB_LUT1_OFF && mode != ULB_LUT1_ON && mode != ULB_LUT1_AUTO) return ULB_ERR_SHAPE;
+    atomic_store(&lut1_mode, mode);
+    return ULB_OK;
 }
 
-int ulb_lut1_enabled(void) {
+int ulb_lut1_get(void) {
     pthread_once(&isa_once, isa_init);
-    return atomic_load(&lut1_on);
+    return atomic_load(&lut1_mode);
 }
 
 #if defined(__x86_64__)
@@ -153,6 +156,22 @@ int ulb_lut1_available(ulb_isa isa) {
            (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512 || isa == ULB_ISA_AMX);
 #else
     (void)isa;
+    return 0;
+#endif
+}
+
+int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa) {
+    const int mode = ulb_lut1_get();
+    if (mode == ULB_LUT1_OFF || ntokens < 1) return 0;
+    if (tiles == ULB_TILES_LANES) return ntokens <= ULB_LUT1_MAX_TOKENS && ulb_lut1_available(isa);
+#if defined(__x86_64__)
+    /* VNNI tiles: one token on one thread; with two the masking kernel
+     * streams better and the tables only add cache traffic (0.67-0.90x cold,
+     * benchmarks/c/ab_builds.sh), and under "auto" only where it paid (ulb.h). */
+    return tiles == ULB_TILES_VNNI && ntokens == 1 && nthreads == 1 && lut1_vnni_available(isa) &&
+           (mode == ULB_LUT1_ON || ulb_cpu_intel() || ulb_cpu_zen4());
+#else
+    (void)nthreads;
     return 0;
 #endif
 }

@@ -27,17 +27,10 @@ typedef struct {
 
 static void acts_free(quantized_acts *q) { ulb_aligned_free(q->scratch); }
 
-/* The table builder if a call takes a 1-bit lookup kernel (not disabled,
- * see ulb.h), else NULL. The AVX2 one over LANES tiles serves up to
- * ULB_LUT1_MAX_TOKENS tokens (a table set each: more would outgrow L2); the
- * AVX-512 one over VNNI tiles one token on one thread: with two the masking
- * kernel streams better and the tables only add cache traffic (0.67-0.90x
- * cold with tables, benchmarks/c/ab_builds.sh). */
+/* The table builder if a call takes a 1-bit lookup kernel (ulb_lut1_serves),
+ * else NULL: no tables. */
 static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, ulb_isa isa) {
-    if (!ulb_lut1_enabled() || N > (w->tiles == ULB_TILES_LANES ? ULB_LUT1_MAX_TOKENS : 1) ||
-        (w->tiles == ULB_TILES_VNNI && nthreads > 1))
-        return NULL;
-    return ulb_lut1_builder_for(w, isa);
+    return ulb_lut1_serves(w->tiles, N, nthreads, isa) ? ulb_lut1_builder_for(w, isa) : NULL;
 }
 
 /* Whether a call reads two panels at once where the ISA has a pair kernel:

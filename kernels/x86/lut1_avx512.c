@@ -4,8 +4,8 @@
  * 4. On Zen 4 this runs 1-bit codes 1.3x faster in cache than masking fields
  * for vpdpbusd
  * (benchmarks/c/kernel_hot.c) and stays exact: every table entry fits a byte.
- * From DRAM the two kernels trade places with the machine's state (ulb.h);
- * linear.c uses it for one token on one thread unless disabled.
+ * From DRAM it pays on some CPUs only (ulb.h); linear.c uses it for one
+ * token on one thread where ulb_lut1_serves says.
  *
  * Tables, per token and k-step ks (32 columns), ULB_LUT1_STEP_BYTES bytes:
  * four 64-byte tables [L lo, H lo, L hi, H hi], entry e = 16*b + n:

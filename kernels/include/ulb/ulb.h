@@ -229,18 +229,28 @@ int ulb_isa_supported(ulb_isa isa);
 ulb_status ulb_isa_set(ulb_isa isa);
 const char *ulb_isa_name(ulb_isa isa);
 
-/* The 1-bit GEMVs by table lookup, on unless disabled (ULB_LUT1=0 in the
- * environment at load, or this call); the masking kernels then serve. Under
- * AVX2 (AVX-VNNI and AVX-512 CPUs too), over LANES tiles, any thread count,
- * up to 4 tokens: 1.8x faster in cache on Zen 3, 1.25-1.45x from DRAM
- * (2.7-3.2x at 4 tokens). Under AVX-512 VBMI, over VNNI tiles, one token on
- * one thread: 1.26x in cache, from DRAM trading places with the machine's
- * state (0.90-1.07x on the development VM). ulb_lut1_enabled reports the
- * setting, ulb_lut1_available whether either kernel runs under `isa` on this
- * CPU. */
-void ulb_lut1_enable(int on);
-int ulb_lut1_enabled(void);
+/* The 1-bit GEMVs by table lookup (after T-MAC). Under AVX2 (AVX-VNNI and
+ * AVX-512 CPUs too), over LANES tiles, any thread count, up to 4 tokens:
+ * 1.8x faster in cache on Zen 3, 1.25-1.45x from DRAM (2.7-3.2x at 4
+ * tokens). Under AVX-512 VBMI, over VNNI tiles, one token on one thread:
+ * 1.26x in cache; from DRAM 0.90-1.07x on a Xeon VM, but 0.74-0.99x on Zen 5,
+ * whose full-width vpdpbusd runs the masking kernel faster than one core
+ * streams, while tables past K = 2048 spill the 48 KiB L1.
+ * ulb_lut1_set(mode): ULB_LUT1_AUTO, the default, takes the lookups where
+ * they pay (LANES tiles; VNNI tiles on Intel and Zen 4); ULB_LUT1_ON wherever
+ * one can run (tests); ULB_LUT1_OFF never, the masking kernels serve.
+ * ULB_ERR_SHAPE for another mode. Env ULB_LUT1=0|1|auto at load.
+ * ulb_lut1_available: whether either kernel runs under `isa` on this CPU;
+ * ulb_lut1_serves: whether a 1-bit call of `ntokens` tokens on `nthreads`
+ * threads over `tiles` (ulb_tiles) takes one under `isa`, as the setting
+ * stands. */
+#define ULB_LUT1_OFF 0
+#define ULB_LUT1_ON 1
+#define ULB_LUT1_AUTO (-1)
+ulb_status ulb_lut1_set(int mode);
+int ulb_lut1_get(void);
 int ulb_lut1_available(ulb_isa isa);
+int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa);
 
 /* How far ahead of the codes it reads a microkernel prefetches into L2, per
  * code width (bits 1, 2, 4 or 8): a distance in bytes (a multiple of 64 up
