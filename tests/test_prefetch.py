@@ -40,7 +40,7 @@ def test_automatic_rule():
         with runtime.use_isa(isa):
             for threads in (1, 2, 16):
                 for group in (2048, 40960, 41024, 1 << 30):
-                    assert resolve(1, threads, group) == (8192 if threads == 1 else 16384)
+                    assert resolve(1, threads, group) == 16384
                     short = threads == 1 and group <= 40960
                     always = intel or isa in ("avx2", "avxvnni")  # the AVX2 kernels prefetch on every CPU
                     for bits in (2, 4, 8):

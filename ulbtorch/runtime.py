@@ -350,13 +350,12 @@ def _check_bits(bits, widths: tuple, what: str) -> None:
 def prefetch_distance(bits: int):
     """How many bytes ahead of the codes it reads the kernel for `bits`-bit
     weights (1, 2, 4 or 8) prefetches into L2: an int (0 = none) or "auto",
-    the default, which decides per call: for 1 bit 8 KiB on one thread and
-    16 KiB on more; for 2, 4 and 8 bits 8 KiB on Intel (2-bit streams
-    1.3-1.5x faster on a Xeon with it) and under the AVX2 kernels on any CPU
-    (1.2-1.36x on a Zen 3); for 2 bits 8 KiB on AMD CPUs but Zen 4 (1.02-1.19x
-    on Zen 5); elsewhere 8 KiB only on one thread with groups of at most 40
-    KiB of codes per 64 rows, else none (kernels/src/prefetch.c has the
-    measurements). ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT,
+    the default, which decides per call: 16 KiB for 1 bit; for 2, 4 and 8
+    bits 8 KiB on Intel (2-bit streams 1.3-1.5x faster on a Xeon with it)
+    and under the AVX2 kernels on any CPU (1.2-1.36x on a Zen 3); for 2 bits
+    8 KiB on AMD CPUs but Zen 4 (1.02-1.19x on Zen 5); elsewhere 8 KiB only
+    on one thread with groups of at most 40 KiB of codes per 64 rows, else
+    none (kernels/src/prefetch.c has the measurements). ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT,
     _8BIT) in the environment sets it at load."""
     _check_bits(bits, PREFETCH_WIDTHS, "prefetch setting")
     d = ctypes.c_int64()

@@ -6,13 +6,12 @@
  * The automatic rule, measured with cold GEMVs, each distance timed in turn
  * in one process (benchmarks/c/prefetch_sweep.c through the C API,
  * benchmarks/prefetch_ab.py through the op; numbers in benchmarks/README.md):
- * - 1 bit, every CPU: 8 KiB when one thread runs the call, 16 KiB on more.
- *   The 1-bit kernels spend more instructions per byte and stream only with
- *   it (none: 0.50-0.66x of 16 KiB on Zen 4). One thread on Zen 5: 8 KiB
- *   1.06-1.14x of 16 KiB (4 KiB alike, 64 KiB 0.96-1.00x); on two threads
- *   0.92-1.07x, noise. 8 KiB was 0.98-1.00x of 16 KiB on Zen 4 and on a
- *   Xeon; 32 KiB 0.98x on Zen 4, on the Xeon 1.02x on one thread and 0.92x
- *   on 16.
+ * - 1 bit, every CPU: 16 KiB. The 1-bit kernels spend more instructions per
+ *   byte and stream only with it (none: 0.50-0.66x on Zen 4). 8 KiB:
+ *   0.98-1.00x on Zen 4 and on a Xeon, on Zen 5 0.95-1.02x (masking, one
+ *   and two threads; the lookup kernel, not taken there, ran 1.06-1.14x
+ *   with it on one thread); 32 KiB 0.98x on Zen 4, on the Xeon 1.02x on one
+ *   thread and 0.92x on 16.
  * - 2, 4 and 8 bits on Intel: 8 KiB. On a 16-core Xeon VM, none runs 2-bit
  *   at 0.68-0.79x of it (one thread, 4 and 16 threads), 0.87x on a 0.5 MiB
  *   matrix on 16 threads; int4 0.83-0.84x, int8 0.87-0.90x; 4 and 16 KiB
@@ -101,7 +100,7 @@ int64_t ulb_prefetch_resolve_for(ulb_isa isa, int bits, int nthreads, int64_t gr
     int64_t d;
     if (ulb_prefetch_get(bits, &d) != ULB_OK) return 0;
     if (d != ULB_PREFETCH_AUTO) return d;
-    if (bits == 1) return nthreads <= 1 ? 8192 : 16384;
+    if (bits == 1) return 16384;
     if (ulb_cpu_intel() || isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI) return 8192;
     if (bits == 2 && !ulb_cpu_zen4()) return 8192;
     return nthreads <= 1 && group_code_bytes <= SHORT_GROUP_BYTES ? 8192 : 0;
