@@ -66,11 +66,11 @@ struct Meta {
 
   explicit Meta(const Tensor &t) {
     AtenTensorHandle h = t.get();
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device));
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, const_cast<int64_t **>(&sizes)));
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, const_cast<int64_t **>(&strides)));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, const_cast<int64_t **>(&sizes)));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, const_cast<int64_t **>(&strides)));
   }
   int64_t last() const { return dim ? sizes[dim - 1] : 0; }
   int64_t numel() const {
@@ -133,7 +133,7 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
     stride *= shape[i] > 1 ? shape[i] : 1;
   }
   AtenTensorHandle out;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
                                                          strides.data(), dtype, kCPU, 0, &out));
   return Tensor(out);
 }

@@ -323,8 +323,11 @@ def _grid_llama(bits):
     with torch.no_grad():
         for name, m in model.named_modules():
             if type(m) is torch.nn.Linear and name != "lm_head":
-                s = m.weight.abs().mean(1, keepdim=True)
-                m.weight.copy_((torch.sign(m.weight) * s).to(torch.bfloat16))
+                # Drawn here, not from the layer: on transformers 5.17 with torch 2.11 a weight held exact
+                # zeros, and a grid weight has none.
+                w = torch.randn(m.weight.shape)
+                s = w.abs().mean(1, keepdim=True)
+                m.weight.copy_(torch.where(w >= 0, s, -s).to(torch.bfloat16))
     return convert_grid_linears(model, bits)
 
 

@@ -84,9 +84,14 @@ def _scale(wg: torch.Tensor, fmt: Format, method: str) -> torch.Tensor:
     rows, amax_rows = wg.reshape(-1, n), amax.reshape(-1, 1)
     sign_rows = torch.as_tensor(sign, dtype=amax.dtype).expand_as(amax).reshape(-1, 1)
     step = max(1, _MSE_CHUNK_ELEMENTS // n)
-    best = torch.cat([_mse_ratio_index(rows[i:i + step], amax_rows[i:i + step], sign_rows[i:i + step], outer, fmt)
+    # On the CPU whatever the weight's device: its constants live there, and
+    # another device's order of float64 summation could pick another ratio
+    # on a near tie, so that a layer packed on a GPU would differ from the
+    # same layer packed on the CPU.
+    best = torch.cat([_mse_ratio_index(rows[i:i + step].cpu(), amax_rows[i:i + step].cpu(),
+                                       sign_rows[i:i + step].cpu(), outer, fmt)
                       for i in range(0, rows.shape[0], step)])
-    return candidates.gather(-1, best.reshape(*wg.shape[:-1], 1))
+    return candidates.gather(-1, best.to(candidates.device).reshape(*wg.shape[:-1], 1))
 
 
 def _mse_ratio_index(wg: torch.Tensor, amax: torch.Tensor, sign: torch.Tensor, outer: float,
