@@ -53,6 +53,17 @@ def _logits(model, ids=IDS):
         return model(ids).logits
 
 
+def _same_as_models_own(got, want):
+    """Bit for bit in bf16. In fp32 the model's own experts and our per-expert
+    F.linear calls reach different CPU matmul kernels, which round alike on a
+    Xeon (torch 2.13) but not on Zen 5 or under torch 2.11: up to 1.5e-7
+    apart on logits of 0.6. So fp32 passes within 4 ulps of the largest
+    logit; a routing or weighting fault moves logits by ~0.1."""
+    if got.dtype != torch.float32:
+        return torch.equal(got, want)
+    return bool((got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_forward_over_per_expert_layers_is_the_models_own(kind, dtype):
@@ -63,8 +74,8 @@ def test_forward_over_per_expert_layers_is_the_models_own(kind, dtype):
     want, want_one = _logits(model), _logits(model, IDS[:1, :1])
     for m in _experts(model):
         pack_experts(m, {p: [copy.deepcopy(lin) for lin in expert_linears(m, p)] for p in fused_weight_names(m)})
-    assert torch.equal(_logits(model), want)
-    assert torch.equal(_logits(model, IDS[:1, :1]), want_one)  # one token, as in decode
+    assert _same_as_models_own(_logits(model), want)
+    assert _same_as_models_own(_logits(model, IDS[:1, :1]), want_one)  # one token, as in decode
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
