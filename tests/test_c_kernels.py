@@ -74,6 +74,15 @@ def test_c_pool_wakes_sleeping_workers(tmp_path):
                    env={"ULB_SPIN_US": "0"}, timeout=60)
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_c_pool_survives_fork(tmp_path):
+    """fork() during another thread's parallel jobs (tests/c/test_pool_fork.c):
+    the child's jobs must run on threads of its own; one that waits for the
+    parent's workers hangs, and fails by timeout."""
+    sources = [os.path.join(ROOT, "tests", "c", "test_pool_fork.c"), *_kernel_sources(x86=True)]
+    _build_and_run("gcc", CFLAGS, sources, str(tmp_path / "test_pool_fork"), isas_line=False, timeout=120)
+
+
 AARCH64_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 NO_AARCH64 = "no aarch64 cross compiler and qemu-user (apt-get install gcc-aarch64-linux-gnu qemu-user)"
 
