@@ -134,7 +134,7 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
   }
   AtenTensorHandle out;
   TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(shape.size()), shape.data(),
-                                                         strides.data(), dtype, kCPU, 0, &out));
+                                                  strides.data(), dtype, kCPU, 0, &out));
   return Tensor(out);
 }
 

@@ -498,17 +498,19 @@ def test_read_probe_thread_count(threads):
 
 def test_lut1_switch(monkeypatch):
     at_load = {"0": False, "1": True}.get(os.environ.get("ULB_LUT1"), "auto")
-    assert runtime.lut1_setting() == at_load, "the 1-bit lookup-table kernels are on 'auto' unless ULB_LUT1 says"
+    assert runtime.lut1_setting() == at_load, "the lookup-table kernels are on 'auto' unless ULB_LUT1 says"
     assert runtime.lut1_enabled() == (at_load is not False and runtime.lut1_available())
     if runtime.lut1_available():
         for other in (True, False, "auto"):
             with runtime.use_lut1(other):
                 assert runtime.lut1_setting() == other and runtime.lut1_enabled() == (other is not False)
             assert runtime.lut1_setting() == at_load
+        show = "import ulbtorch; print(repr(ulbtorch.runtime.lut1_setting()))"
         for env_value, shown in (("0", "False"), ("1", "True"), ("auto", "'auto'"), ("", "'auto'")):
-            out = subprocess.run([sys.executable, "-c", "import ulbtorch; print(repr(ulbtorch.runtime.lut1_setting()))"],
+            out = subprocess.run([sys.executable, "-c", show],
                                  capture_output=True, text=True, timeout=120, env=dict(os.environ, ULB_LUT1=env_value))
             assert out.stdout.strip() == shown, (env_value, out.stderr)
+            assert ("ULB_LUT1=" in out.stderr) == (env_value == ""), (env_value, out.stderr)  # '' alone warns
     monkeypatch.setattr(runtime, "lut1_available", lambda isa=None: False)
     assert not runtime.lut1_enabled()
     with pytest.raises(RuntimeError, match="no 1-bit lookup-table kernel runs on this CPU"):
@@ -597,12 +599,27 @@ def test_unknown_isa_in_the_environment_warns():
     assert "ULB_ISA='avx-2' is not one of" in out.stderr
 
 
-@pytest.mark.parametrize("name", ["ULB_EAGER", "ULB_LUT1"])
-def test_switch_in_the_environment_other_than_0_or_1_warns(name):
+@pytest.mark.parametrize("name,warning,setting", [
+    ("ULB_EAGER", "ULB_EAGER='off' is not '0' or '1'; taken as '1' (on)", "eager_fast_path()"),
+    ("ULB_LUT1", "ULB_LUT1='off' is not '0', '1' or 'auto'; taken as 'auto'", "lut1_setting() == 'auto'")])
+def test_switch_in_the_environment_of_another_value_warns(name, warning, setting):
     env = dict(os.environ, **{name: "off"})
-    out = subprocess.run([sys.executable, "-c", "import ulbtorch"], capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert out.returncode == 0 and f"{name}='off' is not '0' or '1'; taken as '1' (on)" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-c", f"import ulbtorch; print(ulbtorch.runtime.{setting})"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and warning in out.stderr, out.stderr
+    assert out.stdout.strip() == str(name == "ULB_LUT1" or runtime.eager_fast_path())
+
+
+def test_lut1_on_in_the_environment_without_a_kernel_is_auto(monkeypatch):
+    """ULB_LUT1=1 where no lookup kernel runs left a setting that set_lut1
+    refuses, so restoring it (use_lut1, the tests' fixture) raised."""
+    monkeypatch.setenv("ULB_LUT1", "1")
+    monkeypatch.setattr(runtime, "lut1_available", lambda isa=None: False)
+    runtime.set_lut1(False)
+    runtime._lib.ulb_lut1_set(1)  # as the kernels read ULB_LUT1=1 at load
+    with pytest.warns(RuntimeWarning, match="ULB_LUT1=1, but no 1-bit lookup-table kernel runs on this CPU"):
+        runtime._check_switch_env()
+    assert runtime.lut1_setting() == "auto"
 
 
 @pytest.mark.parametrize("value", ["inf", "1e7", "abc", "", "0x10"])

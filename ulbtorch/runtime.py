@@ -160,15 +160,21 @@ _check_isa_env()
 
 
 def _check_switch_env() -> None:
-    """The on/off switches read at load (ULB_EAGER here, ULB_LUT1 by the
-    kernels) turn off on "0" alone: say so of any value but 0 and 1."""
-    for name in ("ULB_EAGER", "ULB_LUT1"):
-        value = os.environ.get(name)
-        if value is not None and value not in ("0", "1"):
-            warnings.warn(f"{name}={value!r} is not '0' or '1'; taken as '1' (on)", RuntimeWarning, stacklevel=2)
+    """The switches read at load: ULB_EAGER (here) turns off on "0" alone,
+    ULB_LUT1 (by the kernels) takes 0, 1 or auto and anything else as auto;
+    say so of other values. ULB_LUT1=1 where no lookup kernel runs is taken
+    as auto too, so that the setting always names one set_lut1 accepts."""
+    value = os.environ.get("ULB_EAGER")
+    if value is not None and value not in ("0", "1"):
+        warnings.warn(f"ULB_EAGER={value!r} is not '0' or '1'; taken as '1' (on)", RuntimeWarning, stacklevel=2)
+    value = os.environ.get("ULB_LUT1")
+    if value is not None and value not in ("0", "1", "auto"):
+        warnings.warn(f"ULB_LUT1={value!r} is not '0', '1' or 'auto'; taken as 'auto'", RuntimeWarning, stacklevel=2)
+    if value == "1" and not lut1_available():
+        warnings.warn("ULB_LUT1=1, but no 1-bit lookup-table kernel runs on this CPU (they need AVX2); taken as "
+                      "'auto'", RuntimeWarning, stacklevel=2)
+        _lib.ulb_lut1_set(_LUT1_MODES["auto"])
 
-
-_check_switch_env()
 
 
 def _check_spin_env() -> None:
@@ -216,7 +222,7 @@ def lut1_available(isa: str | None = None) -> bool:
 _LUT1_MODES = {False: 0, True: 1, "auto": -1}  # ULB_LUT1_OFF, _ON, _AUTO
 
 
-def lut1_setting():
+def lut1_setting() -> bool | str:
     """The 1-bit lookup-table kernels' setting: "auto" (the default), True
     or False (see set_lut1)."""
     mode = _lib.ulb_lut1_get()
@@ -229,7 +235,7 @@ def lut1_enabled() -> bool:
     return lut1_setting() is not False and lut1_available()
 
 
-def set_lut1(on) -> None:
+def set_lut1(on: bool | str) -> None:
     """The 1-bit lookup-table kernels (after T-MAC). "auto", the default,
     takes them where they pay; True wherever one can run; False never (the
     masking kernels serve). Under AVX2, over "lanes" tiles (the default
@@ -247,7 +253,7 @@ def set_lut1(on) -> None:
     _lib.ulb_lut1_set(_LUT1_MODES[on])
 
 
-def use_lut1(on):
+def use_lut1(on: bool | str):
     """Run the enclosed calls with the 1-bit lookup-table setting `on`."""
     return _setting(lut1_setting, set_lut1, on)
 
@@ -264,6 +270,9 @@ def lut1_serves(tiles: str, tokens: int, threads: int, isa: str | None = None) -
     _check_threads(threads)
     index = _lib.ulb_isa_active() if isa is None else _isa_index(isa)
     return bool(_lib.ulb_lut1_serves(TILE_ORDERS.index(tiles), min(tokens, (1 << 63) - 1), threads, index))
+
+
+_check_switch_env()
 
 
 def _load_eager():
@@ -353,7 +362,7 @@ def prefetch_distance(bits: int):
     the default, which decides per call: 16 KiB for 1 bit; for 2, 4 and 8
     bits 8 KiB on Intel (2-bit streams 1.3-1.5x faster on a Xeon with it)
     and under the AVX2 kernels on any CPU (1.2-1.36x on a Zen 3); for 2 bits
-    8 KiB on AMD CPUs but Zen 4 (1.02-1.19x on Zen 5); elsewhere 8 KiB only
+    8 KiB on AMD from Zen 5 on (1.02-1.19x there); elsewhere 8 KiB only
     on one thread with groups of at most 40 KiB of codes per 64 rows, else
     none (kernels/src/prefetch.c has the measurements). ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT,
     _8BIT) in the environment sets it at load."""

@@ -198,9 +198,10 @@ ulb_isa ulb_isa_best(void);
  * a prefetch distance was measured to pay off on one vendor only. */
 int ulb_cpu_intel(void);
 
-/* Whether this is an AMD Zen 4 (family 19h with AVX-512, which it runs in
- * two 256-bit halves), detected once: its prefetch rule differs from Zen 5's. */
-int ulb_cpu_zen4(void);
+/* The CPUID family of an AMD CPU (0x19: Zen 3 and Zen 4, the latter running
+ * AVX-512 in two 256-bit halves; 0x1a: Zen 5), 0 on other CPUs; detected
+ * once. Where Zen 4 and Zen 5 were measured to differ. */
+int ulb_cpu_amd_family(void);
 
 /* The read probe's loop over `words` 8-byte words at q, read as `streams`
  * interleaved runs of ulb_probe_run_words words (a line of each in turn),

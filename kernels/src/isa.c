@@ -72,7 +72,7 @@ int ulb_isa_supported(ulb_isa isa) {
 static _Atomic int active_isa = -1;
 static ulb_isa cpu_best = ULB_ISA_PORTABLE; /* set once by isa_init */
 static int cpu_intel;                          /* likewise */
-static int cpu_zen4;                           /* likewise */
+static int cpu_amd_family;                     /* likewise */
 static _Atomic int lut1_mode = ULB_LUT1_AUTO;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
@@ -84,8 +84,8 @@ static void isa_init(void) {
 #if defined(__x86_64__)
     unsigned eax, ebx, ecx, edx;
     if (__builtin_cpu_is("amd") && __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
-        const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
-        cpu_zen4 = family == 0x19 && __builtin_cpu_supports("avx512f"); /* Zen 3 shares the family */
+        const unsigned base = (eax >> 8) & 0xf;
+        cpu_amd_family = (int)(base == 0xf ? base + ((eax >> 20) & 0xff) : base);
     }
 #endif
     if (ulb_isa_supported(ULB_ISA_AVX2)) cpu_best = ULB_ISA_AVX2;
@@ -113,9 +113,9 @@ int ulb_cpu_intel(void) {
     return cpu_intel;
 }
 
-int ulb_cpu_zen4(void) {
+int ulb_cpu_amd_family(void) {
     pthread_once(&isa_once, isa_init);
-    return cpu_zen4;
+    return cpu_amd_family;
 }
 
 ulb_isa ulb_isa_active(void) {
@@ -168,8 +168,8 @@ int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa) {
     /* VNNI tiles: one token on one thread; with two the masking kernel
      * streams better and the tables only add cache traffic (0.67-0.90x cold,
      * benchmarks/c/ab_builds.sh), and under "auto" only where it paid (ulb.h). */
-    return tiles == ULB_TILES_VNNI && ntokens == 1 && nthreads == 1 && lut1_vnni_available(isa) &&
-           (mode == ULB_LUT1_ON || ulb_cpu_intel() || ulb_cpu_zen4());
+    return tiles == ULB_TILES_VNNI && ntokens == 1 && nthreads <= 1 && lut1_vnni_available(isa) &&
+           (mode == ULB_LUT1_ON || ulb_cpu_intel() || ulb_cpu_amd_family() == 0x19);
 #else
     (void)nthreads;
     return 0;

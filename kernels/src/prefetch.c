@@ -16,11 +16,11 @@
  *   at 0.68-0.79x of it (one thread, 4 and 16 threads), 0.87x on a 0.5 MiB
  *   matrix on 16 threads; int4 0.83-0.84x, int8 0.87-0.90x; 4 and 16 KiB
  *   are within 0.97-1.05x of 8 KiB.
- * - 2 bits on AMD but Zen 4: 8 KiB. On Zen 5 it ran 1.03-1.19x faster than
+ * - 2 bits on AMD from Zen 5 (family 1Ah) on: 8 KiB. On Zen 5 it ran 1.03-1.19x faster than
  *   none on one thread and 1.02-1.10x on two (K from 2048 to 14336); 4 and
  *   16 KiB mostly fell between the two.
- * - 2 bits on Zen 4, and 4 and 8 bits on AMD: 8 KiB only when one thread
- *   runs the call and a panel's group holds at most 40 KiB of codes (K <=
+ * - Elsewhere (2 bits on Zen 4 and other vendors' CPUs, 4 and 8 bits on
+ *   AMD): 8 KiB only when one thread runs the call and a panel's group holds at most 40 KiB of codes (K <=
  *   2560 with per-channel 2-bit scales, any K with groups of 128 or less):
  *   the group step then comes often enough that the stream stalls behind
  *   it, and one core alone cannot hide that (Zen 4: 2-bit 1.02-1.13x at K =
@@ -102,7 +102,7 @@ int64_t ulb_prefetch_resolve_for(ulb_isa isa, int bits, int nthreads, int64_t gr
     if (d != ULB_PREFETCH_AUTO) return d;
     if (bits == 1) return 16384;
     if (ulb_cpu_intel() || isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI) return 8192;
-    if (bits == 2 && !ulb_cpu_zen4()) return 8192;
+    if (bits == 2 && ulb_cpu_amd_family() > 0x19) return 8192;
     return nthreads <= 1 && group_code_bytes <= SHORT_GROUP_BYTES ? 8192 : 0;
 }
 

@@ -565,6 +565,9 @@ static int check_linear_many(int fmt, int tiles, int decode, ulb_dtype dt, int *
 
 int main(void) {
     int fails = 0, n = 0;
+    /* The lookup kernels wherever they run, not only where "auto" takes them. */
+    if (ulb_lut1_set(2) != ULB_ERR_SHAPE) { printf("ulb_lut1_set took mode 2\n"); fails++; }
+    ulb_lut1_set(ULB_LUT1_ON);
     const int64_t Ms[] = {1, 7, 33, 100, 1000};
     const int64_t Ks[] = {1, 16, 33, 257, 4097};
     const int64_t Ns[] = {1, 2, 4, 5, 9}; /* 4: lookups for four tokens; 5, 9: not */
