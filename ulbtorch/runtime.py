@@ -176,7 +176,6 @@ def _check_switch_env() -> None:
         _lib.ulb_lut1_set(_LUT1_MODES["auto"])
 
 
-
 def _check_spin_env() -> None:
     """ULB_SPIN_US, read by the kernels' pool (ulb_spin_us): say so of a
     value it does not accept."""

@@ -16,18 +16,19 @@
  *   at 0.68-0.79x of it (one thread, 4 and 16 threads), 0.87x on a 0.5 MiB
  *   matrix on 16 threads; int4 0.83-0.84x, int8 0.87-0.90x; 4 and 16 KiB
  *   are within 0.97-1.05x of 8 KiB.
- * - 2 bits on AMD from Zen 5 (family 1Ah) on: 8 KiB. On Zen 5 it ran 1.03-1.19x faster than
- *   none on one thread and 1.02-1.10x on two (K from 2048 to 14336); 4 and
- *   16 KiB mostly fell between the two.
+ * - 2 bits on AMD from Zen 5 (family 1Ah) on: 8 KiB. On Zen 5 it ran
+ *   1.03-1.19x faster than none on one thread and 1.02-1.10x on two (K from
+ *   2048 to 14336); 4 and 16 KiB mostly fell between the two.
  * - Elsewhere (2 bits on Zen 4 and other vendors' CPUs, 4 and 8 bits on
- *   AMD): 8 KiB only when one thread runs the call and a panel's group holds at most 40 KiB of codes (K <=
- *   2560 with per-channel 2-bit scales, any K with groups of 128 or less):
- *   the group step then comes often enough that the stream stalls behind
- *   it, and one core alone cannot hide that (Zen 4: 2-bit 1.02-1.13x at K =
- *   2048 and 2560, int4 with groups of 32 1.06-1.13x). On two threads 8 KiB
- *   ran 0.95-0.97x on Zen 4, and on one thread at K = 4096 (64 KiB groups)
- *   0.91-0.99x through the op, so none there. On Zen 5 int4 and int8 with
- *   per-channel scales run 0.93-1.06x with 8 KiB, so they keep this rule.
+ *   AMD): 8 KiB only when one thread runs the call and a panel's group
+ *   holds at most 40 KiB of codes (K <= 2560 with per-channel 2-bit scales,
+ *   any K with groups of 128 or less): the group step then comes often
+ *   enough that the stream stalls behind it, and one core alone cannot hide
+ *   that (Zen 4: 2-bit 1.02-1.13x at K = 2048 and 2560, int4 with groups of
+ *   32 1.06-1.13x). On two threads 8 KiB ran 0.95-0.97x on Zen 4, and on
+ *   one thread at K = 4096 (64 KiB groups) 0.91-0.99x through the op, so
+ *   none there. On Zen 5 int4 and int8 with per-channel scales run
+ *   0.93-1.06x with 8 KiB, so they keep this rule.
  * - 2, 4 and 8 bits under the AVX2 kernels (and their AVX-VNNI build, not
  *   measured: no such CPU here), every CPU: 8 KiB. Without
  *   vpdpbusd they spend ~2x the instructions per byte of the AVX-512 ones,
