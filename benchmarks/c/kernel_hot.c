@@ -42,10 +42,16 @@ int main(int argc, char **argv) {
             for (int n = 0; build && n < ULB_NB_MAX; n++)
                 build(xq + n * w.K_pad, w.ksteps, lut1 + n * w.ksteps * ULB_LUT1_STEP_BYTES);
             const int luts = build ? 2 : 1;
+            /* Calls of N = 1, 4 and 512 tokens (the kernel picks its loop by
+             * N), each kernel call taking nb = min(N, ULB_NB_MAX) of them. */
+            const int64_t Ns[] = {1, ULB_NB_MAX, 512};
             for (int lut = 0; lut < luts; lut++)
-                /* Several tokens take tables over LANES tiles only. */
-                for (int nb = 1; nb <= (lut && orders[f] == ULB_TILES_VNNI ? 1 : ULB_NB_MAX); nb *= 4) {
-                    const ulb_acts a = ulb_acts_of(&w, xq, xsum, lut ? lut1 : NULL, 1);
+                for (int c = 0; c < 3; c++) {
+                    const int64_t N = Ns[c];
+                    const int nb = N < ULB_NB_MAX ? (int)N : ULB_NB_MAX;
+                    /* Several tokens take tables over LANES tiles only, and at most ULB_NB_MAX. */
+                    if (lut && (N > ULB_NB_MAX || (nb > 1 && orders[f] == ULB_TILES_VNNI))) continue;
+                    const ulb_acts a = ulb_acts_of(&w, N, xq, xsum, lut ? lut1 : NULL, 1);
                     double best = 1e30;
                     for (int rep = 0; rep < 200; rep++) {
                         const double t0 = now_ns();
@@ -53,10 +59,9 @@ int main(int argc, char **argv) {
                         const double dt = now_ns() - t0;
                         if (dt < best) best = dt;
                     }
-                    printf("%-8s %-5s %-6s%-5s nb=%d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
+                    printf("%-8s %-5s %-6s%-5s N=%-3d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
                            ulb_format_get(fmt)->name, orders[f] ? "lanes" : "vnni", ulb_isa_name(isa),
-                           lut ? "+lut1" : "", nb, M * K * nb / best,
-                           (nbytes - 64) / best, nb);
+                           lut ? "+lut1" : "", (int)N, M * K * nb / best, (nbytes - 64) / best, nb);
                 }
         }
     }

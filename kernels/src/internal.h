@@ -80,15 +80,16 @@ typedef struct {
     const uint8_t *lut1; /* lookup tables of the 1-bit one-token kernel, or NULL (see linear.c) */
     const uint8_t *prefetch_end; /* end of the calling thread's panels, see ulb_prefetch_ahead */
     int64_t prefetch_dist;       /* ulb_prefetch_resolve for this call */
+    int64_t tokens;              /* N of the call (a kernel call takes nb <= ULB_NB_MAX of them) */
 } ulb_acts;
 
-/* The activations of a call on w that nthreads threads run: the prefetch
- * bound of the whole blob (each thread narrows it to its panels) and the
- * call's prefetch distance. */
-static inline ulb_acts ulb_acts_of(const ulb_weight *w, const int8_t *xq, const int32_t *xsum,
+/* The activations of a call on w with N tokens that nthreads threads run:
+ * the prefetch bound of the whole blob (each thread narrows it to its
+ * panels) and the call's prefetch distance. */
+static inline ulb_acts ulb_acts_of(const ulb_weight *w, int64_t N, const int8_t *xq, const int32_t *xsum,
                                    const uint8_t *lut1, int nthreads) {
     return (ulb_acts){xq, w->K_pad, xsum, lut1, ulb_weight_panels_end(w, ulb_weight_npanels(w)),
-                      ulb_prefetch_resolve(w->bits, nthreads, ulb_weight_group_code_bytes(w))};
+                      ulb_prefetch_resolve(w->bits, nthreads, ulb_weight_group_code_bytes(w)), N};
 }
 
 /* The microkernel contract, identical for every ISA:

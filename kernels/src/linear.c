@@ -89,7 +89,7 @@ static ulb_status acts_alloc(const ulb_weight *w, ulb_lut1_build_fn lut1_build, 
     q->lut1_build = lut1_build;
     if (facc1_bytes) q->facc1 = (float *)((char *)q->scratch + xq_bytes + xs_bytes + sum_bytes + lut_bytes);
     const uint8_t *lut1 = lut ? (uint8_t *)q->scratch + xq_bytes + xs_bytes + sum_bytes : NULL;
-    q->acts = ulb_acts_of(w, q->xq, q->xsum, lut1, nthreads);
+    q->acts = ulb_acts_of(w, N, q->xq, q->xsum, lut1, nthreads);
     return ULB_OK;
 }
 
@@ -450,7 +450,7 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
         memset(xq_gemm + N * w.K_pad, 0, xq_bytes - (size_t)(N * w.K_pad));
         gemm->begin(&w);
     }
-    const ulb_acts acts = ulb_acts_of(&w, gemm ? xq_gemm : xq, xsum, lut1, 1);
+    const ulb_acts acts = ulb_acts_of(&w, N, gemm ? xq_gemm : xq, xsum, lut1, 1);
     for (int64_t p = 0; p * ULB_PANEL_ROWS < w.M_pad; p++) {
         const int64_t m0 = p * ULB_PANEL_ROWS;
         for (int64_t n0 = 0; n0 < N; n0 += nb_max) {

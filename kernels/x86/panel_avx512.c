@@ -34,6 +34,13 @@ ALWAYS_INLINE __m512i field(__m512i v, int j, const int bits) {
     return _mm512_and_si512(j ? _mm512_srli_epi16(v, bits * j) : v, mask);
 }
 
+/* The sum of four partial sums of which slot s holds 2^(bits * s) times its
+ * products: each shifted back exactly (a multiple of its scale). */
+ALWAYS_INLINE __m512i slots_sum(__m512i s0, __m512i s1, __m512i s2, __m512i s3, const int bits) {
+    return _mm512_add_epi32(_mm512_add_epi32(s0, _mm512_srai_epi32(s1, bits)),
+                            _mm512_add_epi32(_mm512_srai_epi32(s2, 2 * bits), _mm512_srai_epi32(s3, 3 * bits)));
+}
+
 /* One token. Masking field j in place leaves 2^(bits*j) * q; fields 4..7 of
  * 1-bit tiles are shifted down by 4 first, so four accumulators per tile
  * (one per scale) give 16 independent vpdpbusd chains for a full panel, and
@@ -65,13 +72,11 @@ ALWAYS_INLINE void one_token_group(const uint8_t *codes, int64_t ks0, int64_t ks
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < nt; t++)
-        acc[t] = _mm512_add_epi32(
-            _mm512_add_epi32(f4[0][t], _mm512_srai_epi32(f4[1][t], bits)),
-            _mm512_add_epi32(_mm512_srai_epi32(f4[2][t], 2 * bits), _mm512_srai_epi32(f4[3][t], 3 * bits)));
+    for (int t = 0; t < nt; t++) acc[t] = slots_sum(f4[0][t], f4[1][t], f4[2][t], f4[3][t], bits);
 }
 
-/* Several tokens: each tile's fields are unpacked once and used nb times. */
+/* Several tokens where use_slots says no: every tile at a time, each tile's
+ * fields shifted down, masked once and used nb times. */
 ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
                                 int64_t pf_dist, const uint8_t *pf_end, __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb,
                                 const int nt, const int bits) {
@@ -94,6 +99,52 @@ ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, 
                     acc[j][t] = dpbusd_bcast(acc[j][t], u, x[j] + ks * kt + 4 * f);
             }
         }
+    }
+}
+
+/* Several tokens, 1- and 2-bit codes: one tile at a time through the group,
+ * with a partial sum per token and slot as in one_token_group, fields masked
+ * in place (1-bit fields 4..7 after one shift). A tile then costs 1-2 vector
+ * operations besides its 4 x nb (2-bit) or 8 x nb (1-bit) vpdpbusd, not 7 or
+ * 15, and the 4 x nb sums still form independent chains. In cache on Zen 5
+ * (benchmarks/c/kernel_hot.c, 4 tokens a call) 2-bit went from 372 to 477
+ * Gcode/s and 1-bit from 340 to 490. But the tiles of a panel are then read
+ * one after the other, each a line in every four: cold 2-bit calls of 4
+ * tokens ran 0.74-0.76x (benchmarks/c/ab_builds.sh, 2048x2048 and 4096x4096,
+ * 1 and 2 threads), of 8 0.97-1.00x, of 16 1.08-1.13x; the 1-bit ones gain
+ * from 2 tokens on (0.90-1.16x at 2, 1.21-1.23x at 3, 2.2-2.4x at 4 to 16).
+ * With 4- and 8-bit codes, too few fields for 4 slots: int4 this way with 2
+ * slots ran 400 against 413 (tokens_group). */
+static inline int use_slots(int bits, int64_t tokens) { return bits == 1 || (bits == 2 && tokens > 8); }
+
+ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
+                                      int64_t pf_dist, const uint8_t *pf_end,
+                                      __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb, const int nt,
+                                      const int bits) {
+    const int fields = 8 / bits, kt = 32 / bits;
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) {
+        __m512i part[4][ULB_NB_MAX];
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++)
+#pragma GCC unroll 4
+            for (int j = 0; j < nb; j++) part[s][j] = _mm512_setzero_si512();
+        for (int64_t ks = ks0; ks < ks1; ks++) {
+            const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
+            ulb_prefetch_ahead(tile, pf_dist, pf_end);
+            const __m512i v = _mm512_loadu_si512(tile);
+            const __m512i hi = bits == 1 ? _mm512_srli_epi16(v, 4) : v;
+#pragma GCC unroll 8
+            for (int f = 0; f < fields; f++) {
+                const int slot = f % 4;
+                const __m512i m = _mm512_set1_epi8((char)(((1 << bits) - 1) << (bits * slot)));
+                const __m512i u = _mm512_and_si512(f < 4 ? v : hi, m);
+#pragma GCC unroll 4
+                for (int j = 0; j < nb; j++) part[slot][j] = dpbusd_bcast(part[slot][j], u, x[j] + ks * kt + 4 * f);
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < nb; j++) acc[j][t] = slots_sum(part[0][j], part[1][j], part[2][j], part[3][j], bits);
     }
 }
 
@@ -132,6 +183,8 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
             for (int t = 0; t < nt; t++) acc[0][t] = _mm512_load_si512(dot1 + t * ULB_TILE);
         } else if (nb == 1)
             one_token_group(codes, ks0, ks1, x[0], pf_dist, a->prefetch_end, acc[0], nt, bits);
+        else if (use_slots(bits, a->tokens))
+            tokens_group_slots(codes, ks0, ks1, x, pf_dist, a->prefetch_end, acc, nb, nt, bits);
         else
             tokens_group(codes, ks0, ks1, x, pf_dist, a->prefetch_end, acc, nb, nt, bits);
 #pragma GCC unroll 4
