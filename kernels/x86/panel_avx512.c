@@ -108,17 +108,23 @@ ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, 
  * operations besides its 4 x nb (2-bit) or 8 x nb (1-bit) vpdpbusd, not 7 or
  * 15, and the 4 x nb sums still form independent chains. In cache on Zen 5
  * (benchmarks/c/kernel_hot.c, 4 tokens a call) 2-bit went from 372 to 477
- * Gcode/s and 1-bit from 340 to 490. But the tiles of a panel are then read
- * one after the other, each a line in every four: cold 2-bit calls of 4
- * tokens ran 0.74-0.76x (benchmarks/c/ab_builds.sh, 2048x2048 and 4096x4096,
- * 1 and 2 threads), of 8 0.97-1.00x, of 16 1.08-1.13x; the 1-bit ones gain
- * from 2 tokens on (0.90-1.16x at 2, 1.21-1.23x at 3, 2.2-2.4x at 4 to 16).
+ * Gcode/s and 1-bit from 340 to 490.
+ * The tiles of a panel are then read one after the other, each a line in
+ * every four, so the codes are prefetched a panel ahead (`ahead`: the next
+ * panel's line for this one), by the call on the panel's first tokens only.
+ * Cold, against tokens_group (benchmarks/c/ab_builds.sh, 2048x2048 on one
+ * thread and 4096x4096 on two), 2-bit calls of 2 tokens ran 0.82-0.85x this
+ * way, of 4 0.83-0.98x, of 5 0.89-0.95x, of 6 1.02-1.07x, of 8 1.12x (with
+ * the prefetch distance of tokens_group instead: 0.74-0.76x at 4, 0.97-1.00x
+ * at 8). 1-bit calls: with that distance 0.90-1.16x at 2 tokens, 1.21-1.23x at
+ * 3, 2.2-2.4x at 4 to 16; a panel ahead then gained 1.12-1.18x at 2 and
+ * 1.04-1.05x at 4.
  * With 4- and 8-bit codes, too few fields for 4 slots: int4 this way with 2
- * slots ran 400 against 413 (tokens_group). */
-static inline int use_slots(int bits, int64_t tokens) { return bits == 1 || (bits == 2 && tokens > 8); }
+ * slots ran 400 against 413 in cache (tokens_group). */
+static inline int use_slots(int bits, int64_t tokens) { return bits == 1 || (bits == 2 && tokens > 5); }
 
 ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
-                                      int64_t pf_dist, const uint8_t *pf_end,
+                                      int64_t ahead, const uint8_t *pf_end,
                                       __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb, const int nt,
                                       const int bits) {
     const int fields = 8 / bits, kt = 32 / bits;
@@ -131,7 +137,7 @@ ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t
             for (int j = 0; j < nb; j++) part[s][j] = _mm512_setzero_si512();
         for (int64_t ks = ks0; ks < ks1; ks++) {
             const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
-            ulb_prefetch_ahead(tile, pf_dist, pf_end);
+            ulb_prefetch_ahead(tile, ahead, pf_end);
             const __m512i v = _mm512_loadu_si512(tile);
             const __m512i hi = bits == 1 ? _mm512_srli_epi16(v, 4) : v;
 #pragma GCC unroll 8
@@ -184,7 +190,8 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         } else if (nb == 1)
             one_token_group(codes, ks0, ks1, x[0], pf_dist, a->prefetch_end, acc[0], nt, bits);
         else if (use_slots(bits, a->tokens))
-            tokens_group_slots(codes, ks0, ks1, x, pf_dist, a->prefetch_end, acc, nb, nt, bits);
+            tokens_group_slots(codes, ks0, ks1, x, pf_dist && n0 == 0 ? ulb_panel_offset(w->ksteps, w->n_groups, 1) : 0,
+                               a->prefetch_end, acc, nb, nt, bits);
         else
             tokens_group(codes, ks0, ks1, x, pf_dist, a->prefetch_end, acc, nb, nt, bits);
 #pragma GCC unroll 4
