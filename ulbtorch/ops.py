@@ -22,10 +22,24 @@ def _check_same_device(op: str, x: torch.Tensor, **others) -> None:
             raise ValueError(f"ulb.{op}: input is on {x.device} but the {name.replace('_', ' ')} is on {t.device}")
 
 
+def _dtype_names(dtypes: tuple) -> str:
+    return " or ".join(str(d)[6:] for d in dtypes)
+
+
+def _check_cpu_input(op: str, x: torch.Tensor, dtypes: tuple, which: str = "input", hint: str = "",
+                     like: str = "") -> None:
+    # Before the dispatcher: an input elsewhere than on the CPU would find no
+    # kernel there, and its message would not say why.
+    if x.device.type != "cpu":
+        raise ValueError(f"ulbtorch.ops.{op} runs on CPU; {which} is on {x.device}{hint}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{which} must be {_dtype_names(dtypes)}{like}, got {x.dtype}")
+
+
 def _check_fake_input(op: str, x: torch.Tensor, dtypes: tuple) -> None:
     # What the real op refuses, refused while tracing too.
     if x.dtype not in dtypes:
-        raise RuntimeError(f"ulb.{op}: input must be {' or '.join(str(d)[6:] for d in dtypes)}, got {x.dtype}")
+        raise RuntimeError(f"ulb.{op}: input must be {_dtype_names(dtypes)}, got {x.dtype}")
     if x.dim() < 1:
         raise RuntimeError(f"ulb.{op}: input must have at least 1 dim")
 
@@ -228,11 +242,7 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """y = x W^T + b with W the packed weight, activations int8 per token."""
-    if x.device.type != "cpu":
-        raise ValueError(f"ulbtorch.ops.linear runs on CPU; input is on {x.device} "
-                         "(the nn modules fall back to pure PyTorch there)")
-    if x.dtype not in _ACT_DTYPES:
-        raise TypeError(f"input must be float32 or bfloat16, got {x.dtype}")
+    _check_cpu_input("linear", x, _ACT_DTYPES, hint=" (the nn modules fall back to pure PyTorch there)")
     return torch.ops.ulb.linear(x, packed, bias, out_features)
 
 
@@ -245,11 +255,8 @@ def linear_many(xs: list[torch.Tensor], packed: list[torch.Tensor], biases: list
     biases: None, or one a layer."""
     if not packed:  # the dispatcher finds no tensor to dispatch on, and says so at length
         raise ValueError("ulbtorch.ops.linear_many takes at least one layer, got none")
-    for x in xs:
-        if x.device.type != "cpu":
-            raise ValueError(f"ulbtorch.ops.linear_many runs on CPU; an input is on {x.device}")
-        if x.dtype not in _ACT_DTYPES:
-            raise TypeError(f"inputs must be float32 or bfloat16, got {x.dtype}")
+    for i, x in enumerate(xs):
+        _check_cpu_input("linear_many", x, _ACT_DTYPES, which=f"input {i}")
     return torch.ops.ulb.linear_many(xs, packed, [] if biases is None else biases, out_features)
 
 
@@ -257,10 +264,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """y = x W^T + b for bf16 x and a plain bf16 weight W, by ulbtorch's GEMV:
     fp32 accumulation, bf16 output, one pass over W per row of x (made for
     one-token decode; see nn.LinearBF16)."""
-    if x.device.type != "cpu":
-        raise ValueError(f"ulbtorch.ops.linear_bf16 runs on CPU; input is on {x.device}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"input must be bfloat16 like the weight, got {x.dtype}")
+    _check_cpu_input("linear_bf16", x, (torch.bfloat16,), like=" like the weight")
     return torch.ops.ulb.linear_bf16(x, weight, bias)
 
 
