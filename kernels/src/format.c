@@ -41,11 +41,12 @@ const char *ulb_status_str(ulb_status s) {
     return "unknown error";
 }
 
-/* ULB_MAX_K: accumulators are int32: the one-token AVX-512 kernel keeps 64 * sum q x
- * per group for 2-bit codes (64 * 3 * 128 * 65536 < 2^31) and 16 * sum q x
- * for 4-bit codes (16 * 15 * 128 * 65536 < 2^31), and |sum q x| of 8-bit
- * codes stays at most 254 * 128 * 65536 < 2^31 (activations are -127..127
- * from ulb_quantize_act; int_dots takes -128 too). */
+/* ULB_MAX_K: accumulators are int32: the one-token AVX-512 kernel (and its
+ * several-token tokens_group_slots) keeps 64 * sum q x per group for 2-bit
+ * codes (64 * 3 * 128 * 65536 < 2^31) and 16 * sum q x for 4-bit codes
+ * (16 * 15 * 128 * 65536 < 2^31), and |sum q x| of 8-bit codes stays at most
+ * 254 * 128 * 65536 < 2^31 (activations are -127..127 from ulb_quantize_act;
+ * int_dots takes -128 too). */
 void ulb_shape_limits(int64_t *max_m, int64_t *max_k) {
     *max_m = ULB_MAX_M;
     *max_k = ULB_MAX_K;

@@ -1,7 +1,9 @@
 /* Software prefetch distance of the microkernels, per code width: a fixed
  * distance, or "auto" (the default), resolved for each call by CPU vendor,
  * thread count and group length. Env ULB_PREFETCH_<bits>BIT=bytes|auto at
- * load, ulb_prefetch_set at any time. Results never depend on it.
+ * load, ulb_prefetch_set at any time. Results never depend on it. (The
+ * AVX-512 kernel for several tokens of 1- and 2-bit codes, tokens_group_slots,
+ * prefetches a panel ahead instead, and not at all at distance 0.)
  *
  * The automatic rule, measured with cold GEMVs, each distance timed in turn
  * in one process (benchmarks/c/prefetch_sweep.c through the C API,

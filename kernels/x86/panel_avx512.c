@@ -104,24 +104,25 @@ ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, 
 
 /* Several tokens, 1- and 2-bit codes: one tile at a time through the group,
  * with a partial sum per token and slot as in one_token_group, fields masked
- * in place (1-bit fields 4..7 after one shift). A tile then costs 1-2 vector
- * operations besides its 4 x nb (2-bit) or 8 x nb (1-bit) vpdpbusd, not 7 or
- * 15, and the 4 x nb sums still form independent chains. In cache on Zen 5
- * (benchmarks/c/kernel_hot.c, 4 tokens a call) 2-bit went from 372 to 477
- * Gcode/s and 1-bit from 340 to 490.
- * The tiles of a panel are then read one after the other, each a line in
- * every four, so the codes are prefetched a panel ahead (`ahead`: the next
- * panel's line for this one), by the call on the panel's first tokens only.
- * Cold, against tokens_group (benchmarks/c/ab_builds.sh, 2048x2048 on one
- * thread and 4096x4096 on two), 2-bit calls of 2 tokens ran 0.82-0.85x this
- * way, of 4 0.83-0.98x, of 5 0.89-0.95x, of 6 1.02-1.07x, of 8 1.12x (with
- * the prefetch distance of tokens_group instead: 0.74-0.76x at 4, 0.97-1.00x
- * at 8). 1-bit calls: with that distance 0.90-1.16x at 2 tokens, 1.21-1.23x at
- * 3, 2.2-2.4x at 4 to 16; a panel ahead then gained 1.12-1.18x at 2 and
- * 1.04-1.05x at 4.
+ * in place (1-bit fields 4..7 after one shift). A tile then costs 4 (2-bit)
+ * or 9 (1-bit) vector operations besides its 4 x nb or 8 x nb vpdpbusd, not
+ * 7 or 15, and the 4 x nb sums still form independent chains. In cache on Zen
+ * 5 (benchmarks/c/kernel_hot.c, calls of 512 tokens, 4 a kernel call) 2-bit
+ * went from 372 to 452-477 Gcode/s and 1-bit from 340 to 484-496.
+ * Reading a panel one tile at a time takes a line in every four, which
+ * streams badly from DRAM; so the call on a panel's first tokens prefetches
+ * the next panel (`ahead`: a panel's bytes) in order, a line for each tile it
+ * reads, and has it in L2 when its turn comes. Cold, against tokens_group
+ * (benchmarks/c/ab_builds.sh, 2048x2048 on one thread, 4096x4096 on two),
+ * 2-bit calls of 2 tokens ran 0.90-0.94x this way, of 3 0.94-1.03x, of 4
+ * 0.99-1.14x, of 5 1.08-1.12x (1.05-1.13x over prefetching each tile's own
+ * line a panel ahead at 8 and 16 tokens; 0.74-0.76x at 4 with tokens_group's
+ * distance); 1-bit ones 1.2-2.4x from 2 tokens on (of 4, 2.2-2.4x with
+ * tokens_group's distance, then 1.04-1.05x and 1.12-1.21x for each change
+ * of the prefetch).
  * With 4- and 8-bit codes, too few fields for 4 slots: int4 this way with 2
  * slots ran 400 against 413 in cache (tokens_group). */
-static inline int use_slots(int bits, int64_t tokens) { return bits == 1 || (bits == 2 && tokens > 5); }
+static inline int use_slots(int bits, int64_t tokens) { return bits == 1 || (bits == 2 && tokens >= 4); }
 
 ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
                                       int64_t ahead, const uint8_t *pf_end,
@@ -137,7 +138,7 @@ ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t
             for (int j = 0; j < nb; j++) part[s][j] = _mm512_setzero_si512();
         for (int64_t ks = ks0; ks < ks1; ks++) {
             const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
-            ulb_prefetch_ahead(tile, ahead, pf_end);
+            ulb_prefetch_ahead(codes + (t * (ks1 - ks0) + ks - ks0) * ULB_TILE_BYTES, ahead, pf_end);
             const __m512i v = _mm512_loadu_si512(tile);
             const __m512i hi = bits == 1 ? _mm512_srli_epi16(v, 4) : v;
 #pragma GCC unroll 8
@@ -178,7 +179,9 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         const uint8_t *group = ulb_group_base(w, tile0 / ULB_PANEL_TILES, nt, g);
         const float *scales = (const float *)group;
         const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
-        /* As far ahead of the scales as the tile loops prefetch ahead of codes. */
+        /* As far ahead of the scales as tokens_group and the one-token loops
+         * prefetch ahead of codes (tokens_group_slots's panel ahead reaches
+         * them too). */
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, pf_dist, a->prefetch_end);
         __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES];

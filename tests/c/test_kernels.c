@@ -632,9 +632,20 @@ int main(void) {
         fails += check(ULB_FMT_INT4, ULB_TILES_VNNI, Ms[a], 257, 24, narrow_Ns[c]);
         n += 2;
     }
+    /* Calls whose last kernel call takes 2 or 3 tokens, on either side of
+     * the AVX-512 kernels' switch to per-slot sums (tokens_group_slots: 1-bit
+     * codes from 2 tokens, 2-bit from 4). */
+    const int64_t tail_Ns[] = {3, 6, 7};
     for (int f = 0; f < N_FORMS; f++)
-        for (int N = 1; N <= 16; N += N < 2 ? 1 : 14) {
-            fails += check_int_extremes(FORMS[f].fmt, FORMS[f].tiles, 65536, N);
+        for (int c = 0; c < 3; c++) {
+            fails += check(FORMS[f].fmt, FORMS[f].tiles, 100, 257, 32, tail_Ns[c]);
+            fails += check(FORMS[f].fmt, FORMS[f].tiles, 33, 4097, 0, tail_Ns[c]);
+            n += 2;
+        }
+    const int64_t extreme_Ns[] = {1, 2, 3, 7, 16};
+    for (int f = 0; f < N_FORMS; f++)
+        for (int c = 0; c < 5; c++) {
+            fails += check_int_extremes(FORMS[f].fmt, FORMS[f].tiles, 65536, extreme_Ns[c]);
             n++;
         }
     /* ulb_linear's dtypes, bias and strides: M and K off the 64-row panel and
