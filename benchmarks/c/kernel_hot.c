@@ -59,7 +59,7 @@ int main(int argc, char **argv) {
                         const double dt = now_ns() - t0;
                         if (dt < best) best = dt;
                     }
-                    printf("%-8s %-5s %-6s%-5s N=%-3d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
+                    printf("%-8s %-5s %-8s%-5s N=%-3d  %6.1f Gcode/s  %6.1f GB/s of codes (x%d tokens)\n",
                            ulb_format_get(fmt)->name, orders[f] ? "lanes" : "vnni", ulb_isa_name(isa),
                            lut ? "+lut1" : "", (int)N, M * K * nb / best, (nbytes - 64) / best, nb);
                 }
