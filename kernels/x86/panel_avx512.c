@@ -180,8 +180,8 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         const float *scales = (const float *)group;
         const uint8_t *codes = group + nt * ULB_TILE_SCALE_BYTES;
         /* As far ahead of the scales as tokens_group and the one-token loops
-         * prefetch ahead of codes (tokens_group_slots's panel ahead reaches
-         * them too). */
+         * prefetch ahead of codes (tokens_group_slots, which prefetches codes
+         * a panel ahead, leaves the scales to this). */
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) ulb_prefetch_ahead(group + t * ULB_TILE_SCALE_BYTES, pf_dist, a->prefetch_end);
         __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES];
