@@ -34,6 +34,14 @@ ALWAYS_INLINE __m512i field(__m512i v, int j, const int bits) {
     return _mm512_and_si512(j ? _mm512_srli_epi16(v, bits * j) : v, mask);
 }
 
+/* Field f of a tile v masked in place, in slot f % 4: 2^(bits * slot) times
+ * its code. 1-bit fields 4..7 come from hi, the tile shifted down by 4 (for
+ * wider codes hi is v, unused). */
+ALWAYS_INLINE __m512i slot_field(__m512i v, __m512i hi, int f, const int bits) {
+    const __m512i m = _mm512_set1_epi8((char)(((1 << bits) - 1) << (bits * (f % 4))));
+    return _mm512_and_si512(f < 4 ? v : hi, m);
+}
+
 /* The sum of four partial sums of which slot s holds 2^(bits * s) times its
  * products: each shifted back exactly (a multiple of its scale). */
 ALWAYS_INLINE __m512i slots_sum(__m512i s0, __m512i s1, __m512i s2, __m512i s3, const int bits) {
@@ -63,12 +71,8 @@ ALWAYS_INLINE void one_token_group(const uint8_t *codes, int64_t ks0, int64_t ks
             if (bits == 2) touch_line(tile + ULB_TILE_BYTES);
             const __m512i hi = bits == 1 ? _mm512_srli_epi16(v, 4) : v;
 #pragma GCC unroll 8
-            for (int j = 0; j < fields; j++) {
-                const int slot = j % 4;
-                const __m512i m = _mm512_set1_epi8((char)(((1 << bits) - 1) << (bits * slot)));
-                const __m512i u = _mm512_and_si512(j < 4 ? v : hi, m);
-                f4[slot][t] = dpbusd_bcast(f4[slot][t], u, xk + 4 * j);
-            }
+            for (int j = 0; j < fields; j++)
+                f4[j % 4][t] = dpbusd_bcast(f4[j % 4][t], slot_field(v, hi, j, bits), xk + 4 * j);
         }
     }
 #pragma GCC unroll 4
@@ -143,11 +147,9 @@ ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t
             const __m512i hi = bits == 1 ? _mm512_srli_epi16(v, 4) : v;
 #pragma GCC unroll 8
             for (int f = 0; f < fields; f++) {
-                const int slot = f % 4;
-                const __m512i m = _mm512_set1_epi8((char)(((1 << bits) - 1) << (bits * slot)));
-                const __m512i u = _mm512_and_si512(f < 4 ? v : hi, m);
+                const __m512i u = slot_field(v, hi, f, bits);
 #pragma GCC unroll 4
-                for (int j = 0; j < nb; j++) part[slot][j] = dpbusd_bcast(part[slot][j], u, x[j] + ks * kt + 4 * f);
+                for (int j = 0; j < nb; j++) part[f % 4][j] = dpbusd_bcast(part[f % 4][j], u, x[j] + ks * kt + 4 * f);
             }
         }
 #pragma GCC unroll 4
