@@ -58,13 +58,17 @@ const char *dtype_name(int32_t code) {
 }
 
 // What the ops read of a tensor, one shim call per field. sizes and strides
-// are borrowed from the tensor, which outlives the op's use of them.
+// are borrowed from the tensor, which outlives the op's use of them. An
+// undefined tensor (None passed for a Tensor argument) has device kNone,
+// which check_cpu, the first check of every argument, names.
+constexpr int32_t kNone = -1;
 struct Meta {
-  int32_t dtype, device;
-  int64_t dim;
-  const int64_t *sizes, *strides;
+  int32_t dtype = kNone, device = kNone;
+  int64_t dim = 0;
+  const int64_t *sizes = nullptr, *strides = nullptr;
 
   explicit Meta(const Tensor &t) {
+    if (!t.defined()) return;
     AtenTensorHandle h = t.get();
     TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
     TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device));
@@ -94,6 +98,7 @@ void check_ok(ulb_status st, const char *op) {
 }
 
 void check_cpu(const Meta &m, const char *op, const char *name) {
+  ULB_CHECK(m.device != kNone, "ulb.", op, ": ", name, " must be a tensor, got None");
   ULB_CHECK(m.device == kCPU, "ulb.", op, ": ", name,
             " must be a CPU tensor (use the pure-PyTorch path for other devices)");
 }

@@ -797,3 +797,98 @@ def test_binary_absmean_of_huge_finite_weights():
     w = Linear1Bit.from_linear(lin).dequantize()
     assert torch.isfinite(w).all()
     assert torch.allclose(w, lin.weight, rtol=1e-6)
+
+
+# ---- found by the bad-input review of 2026-11-28 ----------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda b, x: ops.linear(x, None, None, M),
+    lambda b, x: torch.ops.ulb.linear(None, b, None, M),
+    lambda b, x: torch.ops.ulb.pack(None, torch.rand(M, 1), 2, 0),
+    lambda b, x: torch.ops.ulb.pack(torch.zeros(M, K, dtype=torch.uint8), None, 2, 0),
+    lambda b, x: torch.ops.ulb.quantize_act(x, None),
+    lambda b, x: torch.ops.ulb.quantize_act(None, b),
+    lambda b, x: torch.ops.ulb.int_dots(b, None, None),
+    lambda b, x: ops.linear_bf16(x.bfloat16(), None),
+])
+def test_none_for_a_tensor_is_named(blob, x, call):
+    with pytest.raises(RuntimeError, match=r"must be a tensor, got None"):
+        call(blob, x)
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_many", "linear_bf16"])
+def test_public_ops_refuse_inputs_that_need_a_gradient(blob, op):
+    x = torch.randn(2, K, requires_grad=True)
+    calls = {"linear": lambda: ops.linear(x, blob, None, M),
+             "linear_many": lambda: ops.linear_many([x], [blob], None, M),
+             "linear_bf16": lambda: ops.linear_bf16(x.bfloat16(), torch.randn(M, K, dtype=torch.bfloat16))}
+    with pytest.raises(RuntimeError, match="has no backward"):
+        calls[op]()
+    with torch.no_grad():
+        assert calls[op]().shape == (2, M)
+
+
+def test_vmap_of_a_0dim_sample_is_refused(blob):
+    with pytest.raises(RuntimeError, match="at least 1 dim"):
+        torch.vmap(lambda t: ops.linear(t, blob, None, M))(torch.randn(K))
+    assert torch.vmap(lambda t: ops.linear(t, blob, None, M))(torch.randn(5, K)).shape == (5, M)
+
+
+def test_reference_path_of_a_layer_made_in_inference_mode():
+    with torch.inference_mode():
+        layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+        x = torch.randn(3, K)
+        kernel = layer(x)
+        layer.force_reference = True
+        ref = layer(x)
+    torch.testing.assert_close(ref, kernel, rtol=1e-4, atol=1e-4)
+    # No gradient through a weight made in inference mode, as nn.Linear's:
+    # the kernel's autograd function says so, the reference path's F.linear too.
+    for reference in (False, True):
+        layer.force_reference = reference
+        with pytest.raises(RuntimeError, match="made in inference mode|Inference tensors"):
+            layer(torch.randn(3, K, requires_grad=True))
+
+
+def _saved_mlp(tmp_path):
+    def mk():
+        return torch.nn.Sequential(torch.nn.Linear(K, K), torch.nn.ReLU(), torch.nn.Linear(K, M))
+    ulbtorch.save_quantized(ulbtorch.quantize_(mk(), bits=2, hugepages=False), str(tmp_path))
+    return mk
+
+
+@pytest.mark.parametrize("damage", ["header", "bias"])
+def test_load_quantized_with_a_bad_tensor_leaves_the_model_as_it_was(tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+    mk = _saved_mlp(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    sd = load_file(path)
+    if damage == "header":
+        blob = sd["2.packed"].clone()
+        blob[8] ^= 0xFF
+        sd["2.packed"] = blob
+    else:
+        sd["2.bias"] = torch.zeros(M - 1)
+    save_file(sd, path)
+    model = mk()
+    with pytest.raises(ValueError, match="layer '2'"):
+        ulbtorch.load_quantized(model, str(tmp_path), hugepages=False)
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+
+
+def test_convert_grid_linears_with_a_layer_off_the_grid_leaves_the_model_as_it_was():
+    from ulbtorch.importers import convert_grid_linears
+    on_grid = torch.nn.Linear(32, 8)
+    with torch.no_grad():
+        on_grid.weight.copy_(torch.where(torch.rand(8, 32) > 0.5, 0.1, -0.1))
+    model = torch.nn.Sequential(on_grid, torch.nn.Linear(32, 8))
+    with pytest.raises(ValueError, match="not on a binary grid"):
+        convert_grid_linears(model, 1)
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.Linear]
+
+
+def test_quantize_that_selects_nothing_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(K, K), torch.nn.Linear(K, M)).bfloat16()
+    with pytest.warns(UserWarning, match="no layer converted"):
+        ulbtorch.quantize_(model, include=["nomatch"])
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.Linear]

@@ -36,6 +36,17 @@ def _check_cpu_input(op: str, x: torch.Tensor, dtypes: tuple, which: str = "inpu
         raise TypeError(f"{which} must be {_dtype_names(dtypes)}{like}, got {x.dtype}")
 
 
+def _check_no_grad(op: str, **tensors) -> None:
+    # The ops have no derivative: autograd would only warn, and a gradient
+    # through them would come out None (wrong in a larger graph).
+    if torch.is_grad_enabled():
+        for which, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise RuntimeError(f"ulbtorch.ops.{op} has no backward (inference only), but {which} requires grad: "
+                                   "call it under torch.no_grad(), or use the nn modules (Linear2Bit, ...), "
+                                   "which have one")
+
+
 def _check_fake_input(op: str, x: torch.Tensor, dtypes: tuple) -> None:
     # What the real op refuses, refused while tracing too.
     if x.dtype not in dtypes:
@@ -72,6 +83,9 @@ def _linear_vmap(info, in_dims, x, packed, bias, out_features):
     # The op takes any leading dims: a batched input is one call. A batched
     # weight or bias (rare) is one call per member.
     x_dim, packed_dim, bias_dim, _ = in_dims
+    if x.dim() - (x_dim is not None) < 1:  # as the op refuses a 0-dim input outside vmap
+        raise RuntimeError("ulb.linear: input must have at least 1 dim (the in_features), got a 0-dim input "
+                           "per vmap sample")
     if packed_dim is None and bias_dim is None:
         x = x if x_dim is not None else x.expand(info.batch_size, *x.shape)
         return torch.ops.ulb.linear(x.movedim(x_dim or 0, 0), packed, bias, out_features), 0
@@ -243,6 +257,7 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """y = x W^T + b with W the packed weight, activations int8 per token."""
     _check_cpu_input("linear", x, _ACT_DTYPES, hint=" (the nn modules fall back to pure PyTorch there)")
+    _check_no_grad("linear", input=x, bias=bias)
     return torch.ops.ulb.linear(x, packed, bias, out_features)
 
 
@@ -257,6 +272,7 @@ def linear_many(xs: list[torch.Tensor], packed: list[torch.Tensor], biases: list
         raise ValueError("ulbtorch.ops.linear_many takes at least one layer, got none")
     for i, x in enumerate(xs):
         _check_cpu_input("linear_many", x, _ACT_DTYPES, which=f"input {i}")
+        _check_no_grad("linear_many", **{f"input {i}": x, f"bias {i}": biases[i] if biases else None})
     return torch.ops.ulb.linear_many(xs, packed, [] if biases is None else biases, out_features)
 
 
@@ -265,6 +281,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     fp32 accumulation, bf16 output, one pass over W per row of x (made for
     one-token decode; see nn.LinearBF16)."""
     _check_cpu_input("linear_bf16", x, (torch.bfloat16,), like=" like the weight")
+    _check_no_grad("linear_bf16", input=x, weight=weight, bias=bias)
     return torch.ops.ulb.linear_bf16(x, weight, bias)
 
 

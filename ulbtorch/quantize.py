@@ -266,6 +266,7 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     experts = config.expert_targets(model)
     if not targets and not experts:
         _warn_nothing_converted(model, config)
+        return model  # nor the bf16 lm_head's swap: a call that selects nothing changes nothing
     on_meta = [n for n, lin, _ in targets if lin.weight.is_meta] + [
         f"{n}.{p}" for n, m, p in experts if getattr(m, p).is_meta]
     if on_meta:

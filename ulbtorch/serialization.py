@@ -94,12 +94,21 @@ def _expert_groups(path: str, here: dict, layers: dict) -> list[tuple[nn.Module,
     return out
 
 
-def _check_saved(path: str, weights: str, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> None:
-    """That the weights file holds the tensors of the layer the manifest
-    describes (under one of its names), and a bias only where it says so."""
-    for key in new.state_dict(keep_vars=True):
-        if not any(f"{a}.{key}" in saved for a in aliases):
+def _check_saved(path: str, weights: str, f, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> None:
+    """That the weights file (open as f) holds the tensors of the layer the
+    manifest describes (under one of its names): a packed blob that fits the
+    layer, a bias of its shape, and a bias only where it says so."""
+    for key, t in new.state_dict(keep_vars=True).items():
+        stored = next((f"{a}.{key}" for a in aliases if f"{a}.{key}" in saved), None)
+        if stored is None:
             raise ValueError(f"{path}: layer {name!r}: {weights} has no {name}.{key}")
+        if key == "packed":
+            why = new.packed_mismatch(f.get_tensor(stored))
+            if why:
+                raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored}: {why}")
+        elif list(f.get_slice(stored).get_shape()) != list(t.shape):
+            raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored} has shape "
+                             f"{list(f.get_slice(stored).get_shape())}, the layer's {key} {list(t.shape)}")
     if new.bias is None and any(f"{a}.bias" in saved for a in aliases):
         raise ValueError(f"{path}: layer {name!r} has no bias in the manifest but {weights} holds {name}.bias")
 
@@ -146,14 +155,14 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
         (name, [name], expert_shape(m, p)[1:3], new) for m, p, per in experts for name, new in per]
     with safe_open(weights, framework="pt") as f:
         saved = set(f.keys())
-    for name, aliases, (in_f, out_f), new in listed:
-        if (in_f, out_f) != (new.in_features, new.out_features):
-            raise ValueError(f"{path}: layer {name!r} is {in_f}->{out_f} in the model "
-                             f"but {new.in_features}->{new.out_features} in the checkpoint")
-        _check_saved(path, weights, saved, name, aliases, new)
-    for name, m in here.items():  # layers packed already, which the manifest does not list
-        if isinstance(m, LowBitLinear) and name not in layers:
-            _check_saved(path, weights, saved, name, names[id(m)], m)
+        for name, aliases, (in_f, out_f), new in listed:
+            if (in_f, out_f) != (new.in_features, new.out_features):
+                raise ValueError(f"{path}: layer {name!r} is {in_f}->{out_f} in the model "
+                                 f"but {new.in_features}->{new.out_features} in the checkpoint")
+            _check_saved(path, weights, f, saved, name, aliases, new)
+        for name, m in here.items():  # layers packed already, which the manifest does not list
+            if isinstance(m, LowBitLinear) and name not in layers:
+                _check_saved(path, weights, f, saved, name, names[id(m)], m)
     for name, old, new in swaps:
         replace_everywhere(model, names, old, new)  # a layer used at two places, at both
     for m, p, per in experts:

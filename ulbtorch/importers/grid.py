@@ -98,10 +98,14 @@ def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tupl
     include, exclude = patterns(include, "include"), patterns(exclude, "exclude")
     chosen = [(n, m) for n, m in model.named_modules() if is_plain_linear(m) and name_selected(n, include, exclude)]
     names = module_names(model)
+    # Every layer built before any is swapped: a weight off the grid leaves
+    # the model as it was.
+    built = []
     for name, lin in chosen:
         codes, scales, fmt = pack_grid_weight(lin.weight, bits, name + ".weight")
-        layer = MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, bias=lin.bias,
-                                                  granularity="channel")
+        built.append((lin, MODULE_FOR_FORMAT[fmt].from_codes(codes, scales, format=fmt, bias=lin.bias,
+                                                              granularity="channel")))
+    for lin, layer in built:
         replace_everywhere(model, names, lin, layer)  # a layer used at two places, at both
     if chosen:  # so that save_pretrained writes a checkpoint from_pretrained loads packed
         record_for_transformers(model, QuantConfig(format=GRID_FORMATS[bits], include=list(include),

@@ -50,6 +50,10 @@ class _KernelLinear(torch.autograd.Function):
         # put in its place later does not change this gradient, and one
         # changed in place (load_state_dict) is an error, as there.
         ctx.packed = layer._buffers["packed"]
+        if ctx.packed.is_inference():  # as nn.Linear refuses a weight made in inference mode
+            raise RuntimeError(f"{type(layer).__name__}: its packed weight was made in inference mode "
+                               "(torch.inference_mode), so no gradient can flow through it; build the layer "
+                               "outside inference mode to train through it")
         ctx.packed_version = None if torch.compiler.is_compiling() else ctx.packed._version
 
     @staticmethod
@@ -290,11 +294,12 @@ class LowBitLinear(nn.Module):
     def _dequantized(self, device) -> torch.Tensor:
         """dequantize() on `device`, cached while `packed` reads the same bytes:
         same storage (held by the cache, so a new blob cannot take over its
-        address), unmodified (_version)."""
+        address), unmodified (_version; a blob made in inference mode has
+        none, and then only load_state_dict and .to() drop the cache)."""
         if torch.compiler.is_compiling():  # no data pointers in a graph; the graph keeps what it computes
             return self.dequantize().to(device)
         packed = self._buffers["packed"]
-        key = (packed.data_ptr(), packed._version, device)
+        key = (packed.data_ptr(), -1 if packed.is_inference() else packed._version, device)
         c = self._dequant_cache
         if c is not None and c[0] == key:
             return c[2]
