@@ -50,11 +50,12 @@ class _KernelLinear(torch.autograd.Function):
         # put in its place later does not change this gradient, and one
         # changed in place (load_state_dict) is an error, as there.
         ctx.packed = layer._buffers["packed"]
-        if ctx.packed.is_inference():  # as nn.Linear refuses a weight made in inference mode
+        compiling = torch.compiler.is_compiling()
+        if not compiling and ctx.packed.is_inference():  # as nn.Linear refuses a weight made in inference mode
             raise RuntimeError(f"{type(layer).__name__}: its packed weight was made in inference mode "
                                "(torch.inference_mode), so no gradient can flow through it; build the layer "
                                "outside inference mode to train through it")
-        ctx.packed_version = None if torch.compiler.is_compiling() else ctx.packed._version
+        ctx.packed_version = None if compiling else ctx.packed._version
 
     @staticmethod
     def backward(ctx, gy):
