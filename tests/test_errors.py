@@ -892,3 +892,61 @@ def test_quantize_that_selects_nothing_changes_nothing():
     with pytest.warns(UserWarning, match="no layer converted"):
         ulbtorch.quantize_(model, include=["nomatch"])
     assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.Linear]
+
+
+@pytest.mark.parametrize("group_size, error", [(-16, ValueError), ("16", TypeError), (True, TypeError),
+                                                (16.0, TypeError)])
+def test_pack_and_layers_refuse_a_bad_group_size(group_size, error):
+    codes = torch.zeros(M, K, dtype=torch.uint8)
+    with pytest.raises(error, match="group_size"):
+        ops.pack(codes, torch.ones(M, 1), "int2_sym", group_size)
+    with pytest.raises(error, match="group_size"):
+        Linear2Bit(K, M, group_size=group_size)
+
+
+def test_pack_takes_numpy_and_torch_ints_as_group_size():
+    np = pytest.importorskip("numpy")
+    codes = torch.zeros(M, K, dtype=torch.uint8)
+    for gs in (np.int64(16), torch.tensor(16)):
+        assert ops.packed_info(ops.pack(codes, torch.ones(M, K // 16), "int2_sym", gs))["group_size"] == 16
+
+
+@pytest.mark.parametrize("scales, error, match", [
+    ([1.0] * M, TypeError, "scales must be a tensor"),
+    (torch.ones(M, 1, dtype=torch.complex64), TypeError, "real numbers"),
+    (torch.ones(M, 1, dtype=torch.bool), TypeError, "real numbers"),
+    (torch.ones(M, 1, device="meta"), ValueError, "meta"),
+])
+def test_pack_refuses_scales_it_cannot_read(scales, error, match):
+    with pytest.raises(error, match=match):
+        ops.pack(torch.zeros(M, K, dtype=torch.uint8), scales, "int2_sym")
+
+
+@pytest.mark.parametrize("out_features, error", [(True, TypeError), (float(M), TypeError), (0, ValueError),
+                                                  (2**63, ValueError)])
+def test_linear_refuses_a_bad_out_features(blob, x, out_features, error):
+    with pytest.raises(error, match="out_features"):
+        ops.linear(x, blob, None, out_features)
+    with pytest.raises(error, match="out_features"):
+        ops.linear_many([x], [blob], None, out_features)
+
+
+def test_the_base_layer_names_the_real_ones():
+    from ulbtorch.nn.linear import LowBitLinear
+    with pytest.raises(TypeError, match="Linear2Bit"):
+        LowBitLinear(K, M)
+
+
+def test_bf16_layer_refuses_what_nn_linear_refuses():
+    from ulbtorch.nn import LinearBF16
+    lin = torch.nn.Linear(K, M).to(torch.bfloat16)
+    lin.bias = torch.nn.Parameter(torch.randn(M))  # fp32 bias on a bf16 weight
+    layer = LinearBF16.from_linear(lin)
+    with torch.no_grad():
+        for inp in (torch.randn(1, K, dtype=torch.bfloat16), torch.randn(2, K, dtype=torch.bfloat16),
+                    torch.tensor(1.0, dtype=torch.bfloat16)):
+            with pytest.raises(RuntimeError) as want:
+                lin(inp)
+            with pytest.raises(RuntimeError) as got:
+                layer(inp)
+            assert str(got.value) == str(want.value)

@@ -6,6 +6,7 @@ is the authority and the tests check the two agree.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,20 @@ def get_format(name: str | Format) -> Format:
 
 
 def normalize_group_size(group_size: int | None, in_features: int, format: str | Format) -> int:
-    """0 means one group per row; otherwise a multiple of the format's tile
-    width (16 for 2-bit and ternary, 32 for 1-bit, 8 for int4, 4 for int8)."""
-    if group_size is None or group_size <= 0 or group_size >= in_features:
+    """0 (or None) means one group per row; otherwise a multiple of the
+    format's tile width (16 for 2-bit and ternary, 32 for 1-bit, 8 for int4, 4
+    for int8); a group as wide as the row or wider is one group per row."""
+    if group_size is None:
+        return 0
+    try:
+        if isinstance(group_size, bool):
+            raise TypeError
+        group_size = operator.index(group_size)  # numpy's and torch's ints too
+    except TypeError:
+        raise TypeError(f"group_size must be an int or None, got {group_size!r}") from None
+    if group_size < 0:
+        raise ValueError(f"group_size must be 0 (one scale per output channel) or positive, got {group_size}")
+    if group_size == 0 or group_size >= in_features:
         return 0
     block = get_format(format).k_block
     if group_size % block:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 
 import torch
 
@@ -34,6 +35,20 @@ def _check_cpu_input(op: str, x: torch.Tensor, dtypes: tuple, which: str = "inpu
         raise ValueError(f"ulbtorch.ops.{op} runs on CPU; {which} is on {x.device}{hint}")
     if x.dtype not in dtypes:
         raise TypeError(f"{which} must be {_dtype_names(dtypes)}{like}, got {x.dtype}")
+
+
+def _out_features(op: str, out_features) -> int:
+    # Checked before the dispatcher, whose own refusals read as a C++ cast
+    # failure; numpy's and torch's ints pass as Python ints.
+    try:
+        if isinstance(out_features, bool):
+            raise TypeError
+        m = operator.index(out_features)
+    except TypeError:
+        raise TypeError(f"ulbtorch.ops.{op}: out_features must be an int, got {out_features!r}") from None
+    if not 0 < m < 2**62:
+        raise ValueError(f"ulbtorch.ops.{op}: out_features must be from 1 to 2**62, got {m}")
+    return m
 
 
 def _check_no_grad(op: str, **tensors) -> None:
@@ -167,6 +182,13 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
     kernels run fastest under the active ISA (lanes for 1-bit under AVX2)."""
     fmt = get_format(format)
     tiles_arg = _tiles_arg(tiles, fmt, f"{fmt.name!r} has {fmt.bits}-bit codes")
+    for which, t in (("codes", codes), ("scales", scales)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{which} must be a tensor, got {type(t).__name__}")
+        if t.is_meta:  # the codes' range and the scales' values are checked on their values
+            raise ValueError(f"{which} is on the meta device: pack needs values")
+    if scales.is_complex() or scales.dtype == torch.bool:
+        raise TypeError(f"scales must be real numbers, got {scales.dtype}")
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D [out_features, in_features], got shape {tuple(codes.shape)}")
     M, K = codes.shape
@@ -258,7 +280,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     """y = x W^T + b with W the packed weight, activations int8 per token."""
     _check_cpu_input("linear", x, _ACT_DTYPES, hint=" (the nn modules fall back to pure PyTorch there)")
     _check_no_grad("linear", input=x, bias=bias)
-    return torch.ops.ulb.linear(x, packed, bias, out_features)
+    return torch.ops.ulb.linear(x, packed, bias, _out_features("linear", out_features))
 
 
 def linear_many(xs: list[torch.Tensor], packed: list[torch.Tensor], biases: list[torch.Tensor] | None,
@@ -270,6 +292,7 @@ def linear_many(xs: list[torch.Tensor], packed: list[torch.Tensor], biases: list
     biases: None, or one a layer."""
     if not packed:  # the dispatcher finds no tensor to dispatch on, and says so at length
         raise ValueError("ulbtorch.ops.linear_many takes at least one layer, got none")
+    out_features = _out_features("linear_many", out_features)
     for i, x in enumerate(xs):
         _check_cpu_input("linear_many", x, _ACT_DTYPES, which=f"input {i}")
         _check_no_grad("linear_many", **{f"input {i}": x, f"bias {i}": biases[i] if biases else None})

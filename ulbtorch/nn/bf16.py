@@ -12,7 +12,6 @@ from .. import runtime
 from .replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 
 _linear_bf16 = torch.ops.ulb.linear_bf16.default
-_BIAS_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LinearBF16(nn.Linear):
@@ -40,10 +39,11 @@ class LinearBF16(nn.Linear):
 def gemv_serves(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether F.linear(x, w, b) can run as ulbtorch's bf16 GEMV: one bf16
     token of at least one feature, bf16 weight with contiguous, non-overlapping rows, both on the CPU, a vector ISA,
-    and no gradient to record (the op has no backward)."""
+    a bf16 bias or none (F.linear refuses any other, and the layer must give
+    what it gives), and no gradient to record (the op has no backward)."""
     return (runtime.bf16_gemv_native and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and x.is_cpu and w.is_cpu and w.dim() == 2 and x.numel() == w.shape[1] == x.shape[-1] > 0
-            and w.stride(1) == 1 and w.stride(0) >= w.shape[1] and (b is None or b.dtype in _BIAS_DTYPES)
+            and x.is_cpu and w.is_cpu and x.dim() and w.dim() == 2 and x.numel() == w.shape[1] == x.shape[-1] > 0
+            and w.stride(1) == 1 and w.stride(0) >= w.shape[1] and (b is None or b.dtype == torch.bfloat16)
             and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
                                                   or (b is not None and b.requires_grad))))
 

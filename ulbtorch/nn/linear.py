@@ -146,6 +146,9 @@ class LowBitLinear(nn.Module):
                  format: str | None = None, group_size: int = 0, granularity: str | None = None,
                  device=None, dtype=None):
         super().__init__()
+        if not self.FORMATS:
+            raise TypeError("LowBitLinear is the base of the low-bit layers, with no format of its own: use "
+                            "Linear1Bit, LinearTernary, Linear2Bit, Linear4Bit or Linear8Bit")
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not hasattr(type(v), "__index__"):  # ints, numpy's and torch's too
                 raise TypeError(f"{type(self).__name__}: {name} must be an int, got {v!r}")
