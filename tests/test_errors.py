@@ -482,7 +482,7 @@ def test_prefetch_width_checked_before_c(bits):
 
 
 @pytest.mark.parametrize("tid,factor", [(2 ** 32, 2.0), (2 ** 40, 2.0), (True, 2.0), (1.0, 2.0), (0, "2"),
-                                        (0, None), (0, True), (0, float("nan")), (0, float("inf"))])
+                                        (0, None), (0, True), (0, float("nan")), (0, float("inf")), (0, 1e300)])
 def test_thread_slowdown_checked_before_c(tid, factor):
     """ctypes cut tid=2**32 to thread 0, float("2") took a string, and an
     infinite factor would have made the thread spin for ever."""
@@ -950,3 +950,21 @@ def test_bf16_layer_refuses_what_nn_linear_refuses():
             with pytest.raises(RuntimeError) as got:
                 layer(inp)
             assert str(got.value) == str(want.value)
+
+
+def test_c_refuses_a_slowdown_past_its_cap():
+    assert runtime._lib.ulb_sched_set_slowdown(0, 1e300) != 0
+
+
+@pytest.mark.parametrize("codes_shape, scales_shape", [((K,), (M, 1)), ((M, K), (M,)), ((M, K), (M - 1, 1)),
+                                                       ((M, K), (M, 3))])
+def test_dequantize_names_mismatched_shapes(codes_shape, scales_shape):
+    with pytest.raises(ValueError, match="codes must be|scales must have shape"):
+        ops.dequantize(torch.zeros(codes_shape, dtype=torch.uint8), torch.ones(scales_shape), "int2_sym", 16)
+
+
+def test_autocast_leaves_float64_to_the_ops_check(blob):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="float64"):
+            torch.ops.ulb.linear(torch.randn(2, K, dtype=torch.float64), blob, None, M)
+        assert torch.ops.ulb.linear(torch.randn(2, K), blob, None, M).dtype == torch.bfloat16

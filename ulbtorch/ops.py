@@ -128,8 +128,9 @@ def _linear_autocast(x, packed, bias, out_features):
     dt = torch.get_autocast_dtype("cpu")
     run = torch.float32 if dt == torch.float16 else dt
 
-    def cast(t):  # floating-point tensors only, as autocast casts (others meet the op's checks)
-        return t.to(dt).to(run) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    def cast(t):  # as autocast casts: floating point but float64 (others meet the op's checks)
+        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dt).to(run) if eligible else t
 
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST_CPU)):
         y = _linear_default(cast(x), packed, cast(bias), out_features)
@@ -331,9 +332,16 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, 
                ) -> torch.Tensor:
     """Float32 weight [M, K] that the kernels multiply by."""
     fmt = get_format(format)
-    K = codes.shape[1]
+    if codes.dim() != 2 or scales.dim() != 2:
+        raise ValueError(f"codes must be [out_features, in_features] and scales [out_features, groups], got "
+                         f"shapes {tuple(codes.shape)} and {tuple(scales.shape)}")
+    M, K = codes.shape
+    gs = normalize_group_size(group_size, K, fmt)
+    if tuple(scales.shape) != (M, n_groups(gs, K)):
+        raise ValueError(f"scales must have shape ({M}, {n_groups(gs, K)}) for codes of shape ({M}, {K}) and "
+                         f"group_size={group_size}, got {tuple(scales.shape)}")
+    gs = gs or K
     levels = fmt.codes_to_levels(codes).to(torch.float32)
-    gs = normalize_group_size(group_size, K, fmt) or K
     # Each column's group by index, not repeat_interleave(gs)[:, :K]: inductor
     # compiled that cut wrongly where the last group is partial (its columns
     # read past the scales; torch 2.13).

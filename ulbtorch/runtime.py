@@ -13,6 +13,7 @@ from . import _C
 
 _lib = ctypes.CDLL(_C.__file__)
 _MAX_THREADS = 64
+_SLOWDOWN_MAX = 1000.0  # ULB_SLOWDOWN_MAX
 ISAS = ("scalar", "avx2", "avx512", "avxvnni", "portable", "amx")  # ulb_isa in kernels/include/ulb/ulb.h
 
 
@@ -448,11 +449,11 @@ def scheduler_static(on: bool) -> None:
 
 
 def set_thread_slowdown(tid: int, factor: float) -> None:
-    """Testing knob: make pool thread `tid` (0 to 63) take `factor` (finite,
-    >= 1) times as long."""
+    """Testing knob: make pool thread `tid` (0 to 63) take `factor` (1 to
+    1000) times as long."""
     if not (_is_int(tid) and 0 <= tid < _MAX_THREADS and isinstance(factor, (int, float))
-            and not isinstance(factor, bool) and 1.0 <= factor < float("inf")):
+            and not isinstance(factor, bool) and 1.0 <= factor <= _SLOWDOWN_MAX):
         raise ValueError(f"invalid slowdown tid={tid!r} factor={factor!r}: tid must be an int from 0 to "
-                         f"{_MAX_THREADS - 1}, factor a finite number >= 1")
+                         f"{_MAX_THREADS - 1}, factor a finite number from 1 to {_SLOWDOWN_MAX:g}")
     if _lib.ulb_sched_set_slowdown(tid, float(factor)) != 0:
         raise RuntimeError(f"the kernels refused slowdown tid={tid} factor={factor}")

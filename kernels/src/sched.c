@@ -179,7 +179,7 @@ void ulb_sched_reset(void) {
 void ulb_sched_set_static(int on) { static_split = on; }
 
 ulb_status ulb_sched_set_slowdown(int tid, double factor) {
-    if (tid < 0 || tid >= ULB_MAX_THREADS || !(factor >= 1.0)) return ULB_ERR_THREADS;
+    if (tid < 0 || tid >= ULB_MAX_THREADS || !(factor >= 1.0 && factor <= ULB_SLOWDOWN_MAX)) return ULB_ERR_THREADS;
     slowdown[tid] = factor;
     return ULB_OK;
 }

@@ -306,7 +306,9 @@ void ulb_sched_reset(void);
 /* 0: dynamic split (seed 002, EMA gain 0.3); 1: static equal split. */
 void ulb_sched_set_static(int on);
 /* Test-only: thread `tid` burns extra time proportional to its work
- * (factor 1.0 = none, 2.0 = twice as slow). */
+ * (factor 1.0 = none, 2.0 = twice as slow, at most ULB_SLOWDOWN_MAX: a
+ * larger one would stall the next call for minutes). */
+#define ULB_SLOWDOWN_MAX 1000.0
 ulb_status ulb_sched_set_slowdown(int tid, double factor);
 
 #ifdef __cplusplus
