@@ -968,3 +968,15 @@ def test_autocast_leaves_float64_to_the_ops_check(blob):
         with pytest.raises(RuntimeError, match="float64"):
             torch.ops.ulb.linear(torch.randn(2, K, dtype=torch.float64), blob, None, M)
         assert torch.ops.ulb.linear(torch.randn(2, K), blob, None, M).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(K,), (M, 0), (2, M, K)])
+def test_grid_import_names_a_weight_that_is_not_a_matrix(shape):
+    from ulbtorch.importers.grid import pack_grid_weight
+    with pytest.raises(ValueError, match="2-D"):
+        pack_grid_weight(torch.ones(shape), 1)
+
+
+def test_from_codes_refuses_a_meta_bias():
+    with pytest.raises(ValueError, match="meta"):
+        Linear2Bit.from_codes(torch.zeros(M, K, dtype=torch.uint8), torch.ones(M, 1), bias=torch.zeros(M, device="meta"))

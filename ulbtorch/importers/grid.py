@@ -45,6 +45,9 @@ def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
     if bits not in GRID_FORMATS:
         raise ValueError(f"bits must be 1, 'ternary' or 2, got {bits!r}")
     fmt = GRID_FORMATS[bits]
+    if weight.dim() != 2 or 0 in weight.shape:
+        raise ValueError(f"{name}: a linear weight is 2-D [out_features, in_features] and not empty, got shape "
+                         f"{tuple(weight.shape)}")
     w = weight.detach().float()
     finite = torch.isfinite(w).all(dim=1)
     if not finite.all():

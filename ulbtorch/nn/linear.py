@@ -190,6 +190,8 @@ class LowBitLinear(nn.Module):
             if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (M,):
                 raise ValueError(f"bias must be a floating-point tensor of shape ({M},), got "
                                  f"{getattr(bias, 'dtype', type(bias))} of shape {tuple(getattr(bias, 'shape', ()))}")
+            if bias.is_meta:  # the layer is built with values, on the CPU
+                raise ValueError("bias is on the meta device: from_codes needs its values")
         layer = cls(K, M, bias is not None, format=format, group_size=group_size,
                     granularity=granularity)
         layer.packed = ops.pack(codes, scales, layer.format, layer.group_size)
