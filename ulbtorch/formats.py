@@ -58,18 +58,24 @@ def get_format(name: str | Format) -> Format:
         raise ValueError(f"unknown weight format {name!r}; known: {sorted(FORMATS)}") from None
 
 
+def int_arg(value, what: str, accepted: str = "an int") -> int:
+    """value as a Python int (numpy's and torch's ints too, bools not), or a
+    TypeError that says `what` must be `accepted`."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be {accepted}, got {value!r}")
+
+
 def normalize_group_size(group_size: int | None, in_features: int, format: str | Format) -> int:
     """0 (or None) means one group per row; otherwise a multiple of the
     format's tile width (16 for 2-bit and ternary, 32 for 1-bit, 8 for int4, 4
     for int8); a group as wide as the row or wider is one group per row."""
     if group_size is None:
         return 0
-    try:
-        if isinstance(group_size, bool):
-            raise TypeError
-        group_size = operator.index(group_size)  # numpy's and torch's ints too
-    except TypeError:
-        raise TypeError(f"group_size must be an int or None, got {group_size!r}") from None
+    group_size = int_arg(group_size, "group_size", "an int or None")
     if group_size < 0:
         raise ValueError(f"group_size must be 0 (one scale per output channel) or positive, got {group_size}")
     if group_size == 0 or group_size >= in_features:

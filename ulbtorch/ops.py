@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.ulb.*)
-from .formats import FORMATS_BY_ID, Format, get_format, n_groups, normalize_group_size
+from .formats import FORMATS_BY_ID, Format, get_format, int_arg, n_groups, normalize_group_size
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -40,12 +39,7 @@ def _check_cpu_input(op: str, x: torch.Tensor, dtypes: tuple, which: str = "inpu
 def _out_features(op: str, out_features) -> int:
     # Checked before the dispatcher, whose own refusals read as a C++ cast
     # failure; numpy's and torch's ints pass as Python ints.
-    try:
-        if isinstance(out_features, bool):
-            raise TypeError
-        m = operator.index(out_features)
-    except TypeError:
-        raise TypeError(f"ulbtorch.ops.{op}: out_features must be an int, got {out_features!r}") from None
+    m = int_arg(out_features, f"ulbtorch.ops.{op}: out_features")
     if not 0 < m < 2**62:
         raise ValueError(f"ulbtorch.ops.{op}: out_features must be from 1 to 2**62, got {m}")
     return m

@@ -106,9 +106,9 @@ def _check_saved(path: str, weights: str, f, saved: set, name: str, aliases: lis
             why = new.packed_mismatch(f.get_tensor(stored))
             if why:
                 raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored}: {why}")
-        elif list(f.get_slice(stored).get_shape()) != list(t.shape):
-            raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored} has shape "
-                             f"{list(f.get_slice(stored).get_shape())}, the layer's {key} {list(t.shape)}")
+        elif (shape := list(f.get_slice(stored).get_shape())) != list(t.shape):
+            raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored} has shape {shape}, the layer's {key} "
+                             f"{list(t.shape)}")
     if new.bias is None and any(f"{a}.bias" in saved for a in aliases):
         raise ValueError(f"{path}: layer {name!r} has no bias in the manifest but {weights} holds {name}.bias")
 

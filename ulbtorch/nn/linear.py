@@ -7,14 +7,13 @@ the weight, cached for the device last used.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import ops, runtime
-from ..formats import get_format, n_groups, normalize_group_size
+from ..formats import get_format, int_arg, n_groups, normalize_group_size
 from ..quantizers import GRANULARITIES, quantize_weight
 
 
@@ -149,15 +148,13 @@ class LowBitLinear(nn.Module):
         if not self.FORMATS:
             raise TypeError("LowBitLinear is the base of the low-bit layers, with no format of its own: use "
                             "Linear1Bit, LinearTernary, Linear2Bit, Linear4Bit or Linear8Bit")
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not hasattr(type(v), "__index__"):  # ints, numpy's and torch's too
-                raise TypeError(f"{type(self).__name__}: {name} must be an int, got {v!r}")
-        in_features, out_features = operator.index(in_features), operator.index(out_features)
+        in_features = int_arg(in_features, f"{type(self).__name__}: in_features")
+        out_features = int_arg(out_features, f"{type(self).__name__}: out_features")
         fmt = get_format(format or self.FORMATS[0])
         if fmt.name not in self.FORMATS:
             raise ValueError(f"{type(self).__name__} takes formats {self.FORMATS}, got {fmt.name!r}")
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = in_features
+        self.out_features = out_features
         self.format = fmt.name
         self.group_size = normalize_group_size(group_size, in_features, fmt)
         self.granularity = granularity or ("group" if self.group_size else "channel")
