@@ -1,6 +1,6 @@
 """Helpers shared by the ulbtorch benchmarks.
 
-- shapes.json loading (default: ../shared/bench/shapes.json next to the repo)
+- shapes.json loading (default: benchmarks/shapes.json, shipped with the repo)
 - in-process DRAM read bandwidth per thread count
 - cold-rotation sizing (how many distinct matrices so weights stream from DRAM)
 - median timing with warmup
@@ -64,7 +64,7 @@ def quick_note(rotate_mib: float, what: str = "small rotations and few reps") ->
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_SHAPES = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "bench", "shapes.json"))
+DEFAULT_SHAPES = os.path.join(REPO_ROOT, "benchmarks", "shapes.json")
 
 # Bits per stored weight of each packed format (storage, not information).
 FORMAT_BITS = {"int2_sym": 2, "int2": 2, "ternary": 2, "binary": 1, "int4": 4, "int8": 8}
@@ -79,7 +79,7 @@ FORMAT_ALIASES = {"2": "int2_sym", "2bit": "int2_sym", "int2_sym": "int2_sym", "
 
 def add_shapes_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES,
-                   help="path to shapes.json (default: ../shared/bench/shapes.json from the repo root)")
+                   help="path to shapes.json (default: benchmarks/shapes.json)")
 
 
 def parse_list(s: str | None, cast=str) -> list | None:
@@ -106,8 +106,7 @@ def parse_formats(s: str) -> list[str]:
 def load_shapes(path: str | None = None) -> dict:
     path = path or DEFAULT_SHAPES
     if not os.path.exists(path):
-        raise SystemExit(f"shapes file {path} not found (shared/ should sit beside the repo; "
-                         "or pass --shapes PATH)")
+        raise SystemExit(f"shapes file {path} not found (pass --shapes PATH)")
     with open(path) as f:
         return json.load(f)
 

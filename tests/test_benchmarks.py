@@ -11,8 +11,8 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
-# The scripts read ../shared/bench/shapes.json beside the repo by default;
-# CI's clone may have none, so they get this smaller file in its format.
+# The scripts read benchmarks/shapes.json by default; these runs get this
+# smaller file in its format so each stays quick.
 SHAPES = {
     "gemv_shapes": {"smollm2-135m": [[576, 576], [192, 576]], "falcon3-1b": [[1024, 2048], [2048, 2048]]},
     "prefill_tokens": [32],
@@ -57,6 +57,20 @@ def shapes_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("shapes") / "shapes.json"
     path.write_text(json.dumps(SHAPES))
     return str(path)
+
+
+def test_default_shapes_ship_with_the_repo():
+    """A clone runs the benchmarks without --shapes: the default file is in
+    the repo and has every section the scripts read."""
+    sys.path.insert(0, BENCH)
+    try:
+        import common
+    finally:
+        sys.path.remove(BENCH)
+    assert os.path.dirname(common.DEFAULT_SHAPES) == BENCH
+    doc = common.load_shapes()
+    assert set(SHAPES) <= set(doc)
+    assert "falcon3-1b" in doc["configs"] and "smollm2-135m" in doc["gemv_shapes"]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
