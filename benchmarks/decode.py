@@ -32,7 +32,7 @@ import common  # noqa: E402
 
 import ulbtorch  # noqa: E402
 from ulbtorch import LowBitLinear, QuantConfig, get_format  # noqa: E402
-from ulbtorch.nn.experts import is_fused_experts, parse_expert_layer_name  # noqa: E402
+from ulbtorch.integrations.hf_experts import is_fused_experts, parse_expert_layer_name  # noqa: E402
 from ulbtorch.quantizers import default_method  # noqa: E402
 
 LLAMA_DEFAULTS = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
@@ -98,7 +98,7 @@ def experts_ab(model, ids, n_new, rounds):
     """Decode tok/s with each packed experts module's layers in two calls of
     ulb.linear_many, and with one call a layer (what the experts do where one
     call would not serve), in turn, the order swapped every round."""
-    import ulbtorch.nn.experts as experts
+    import ulbtorch.integrations.hf_experts as experts
     one_call = experts._one_call_serves
     paths = {"two calls": one_call, "a call a layer": lambda layers, xs: False}
     tps, outs = {k: [] for k in paths}, {}
@@ -448,11 +448,8 @@ def main(argv=None):
     if args.quick:
         print("(--quick: tiny model, few tokens; indicative only)")
     meta = dict(env=env, args=vars(args), config=cfg)
-    common.write_outputs([table], json_path=args.json, md_path=args.markdown, meta=meta, notes=notes)
-    if args.json:  # richer payload than the table alone
-        import json
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, results=results, notes=notes), f, indent=1, default=str)
+    common.write_outputs([table], json_path=args.json, md_path=args.markdown, meta=meta, notes=notes,
+                         extra=dict(results=results))
 
 
 if __name__ == "__main__":

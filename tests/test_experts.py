@@ -1,5 +1,5 @@
 """The experts of transformers' mixture-of-experts layers, packed
-(ulbtorch.nn.experts): quantize_, the forward against the model's own,
+(ulbtorch.integrations.hf_experts): quantize_, the forward against the model's own,
 saving and loading both ways."""
 import copy
 import io
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import ulbtorch  # noqa: E402
 from ulbtorch import UlbConfig  # noqa: E402
 from ulbtorch.nn import Linear2Bit, LowBitLinear  # noqa: E402
-from ulbtorch.nn.experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts  # noqa: E402
+from ulbtorch.integrations.hf_experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 CONFIGS = {
@@ -221,7 +221,7 @@ def test_routers_stay_float_and_save_pretrained_keeps_them():
 
 
 def test_router_rule_in_isolation():
-    from ulbtorch.nn.experts import router_names
+    from ulbtorch.integrations.hf_experts import router_names
     model = _model("qwen2_moe")
     assert router_names(model) == [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
 
@@ -248,7 +248,7 @@ def test_no_tokens():
 def test_router_rule_skips_a_shared_expert_as_wide_as_the_experts_are_many():
     """Qwen3-Next-80B's shared expert is 512 wide with 512 experts: its
     gate_proj and up_proj were taken for routers and left float."""
-    from ulbtorch.nn.experts import router_names
+    from ulbtorch.integrations.hf_experts import router_names
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(
         intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=4, num_experts=4,

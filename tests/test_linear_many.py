@@ -151,7 +151,7 @@ def test_experts_run_in_two_calls_with_the_per_layer_bits(monkeypatch, dtype, bi
         got, got_one = model(ids).logits, model(ids[:1, :1]).logits
     assert calls and all(n >= 1 for n in calls) and len(calls) == 4  # two calls a forward, two forwards
     assert calls[2:] == [4, 4]  # one token: its four experts in one call each way
-    monkeypatch.setattr("ulbtorch.nn.experts._one_call_serves", lambda layers, xs: False)
+    monkeypatch.setattr("ulbtorch.integrations.hf_experts._one_call_serves", lambda layers, xs: False)
     with torch.no_grad():
         want, want_one = model(ids).logits, model(ids[:1, :1]).logits
     assert len(calls) == 4
@@ -228,7 +228,7 @@ def test_experts_keep_each_layers_call_where_it_does_more_than_forward(monkeypat
         primal, tangent = fwAD.unpack_dual(experts(fwAD.make_dual(h, t), idx, w))
     jvp_primal, jvp_tangent = torch.func.jvp(lambda x: experts(x, idx, w), (h,), (t,))
     assert len(calls) == 4
-    monkeypatch.setattr("ulbtorch.nn.experts._one_call_serves", lambda layers, xs: False)
+    monkeypatch.setattr("ulbtorch.integrations.hf_experts._one_call_serves", lambda layers, xs: False)
     with torch.no_grad(), fwAD.dual_level():
         want_tangent = fwAD.unpack_dual(experts(fwAD.make_dual(h, t), idx, w)).tangent
     assert torch.equal(primal, want) and torch.equal(jvp_primal, want)

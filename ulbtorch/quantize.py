@@ -10,7 +10,7 @@ from torch import nn
 from .formats import FORMATS
 from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
-from .nn.experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts, router_names
+from .integrations.hf_experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts, router_names
 from .nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 from .runtime import _check_bool
@@ -163,7 +163,7 @@ class QuantConfig:
 
     def expert_targets(self, model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         """(module name, module, weight name) of every selected 3-D expert
-        weight of transformers' MoE layers (nn.experts): selected by the name
+        weight of transformers' MoE layers (integrations.hf_experts): selected by the name
         "<module>.<weight>", e.g. model.layers.0.mlp.experts.gate_up_proj."""
         return [(n, m, p) for n, m in model.named_modules() if is_fused_experts(m)
                 for p in fused_weight_names(m) if self.selects(f"{n}.{p}" if n else p)]
@@ -201,7 +201,7 @@ def _warn_nothing_converted(model: nn.Module, config: QuantConfig) -> None:
 def _warn_fused_experts(model: nn.Module, config: QuantConfig) -> None:
     """Mixture-of-experts modules (named or typed "...expert...") that keep
     their experts as 3-D parameters but are not transformers' experts modules
-    (nn.experts) stay in float, often most of the model's bytes: say so."""
+    (integrations.hf_experts) stay in float, often most of the model's bytes: say so."""
     fused = [(f"{n}.{p}" if n else p, t) for n, m in model.named_modules()
              if "expert" in f"{n}.{type(m).__name__}".lower() and not is_fused_experts(m)
              for p, t in m.named_parameters(recurse=False)
@@ -230,7 +230,7 @@ def _warn_linear_subclasses(model: nn.Module, config: QuantConfig) -> None:
 
 
 def _routers_excluded(model: nn.Module, config: QuantConfig) -> QuantConfig:
-    """config with the MoE routers it selects (nn.experts.router_names) added
+    """config with the MoE routers it selects (integrations.hf_experts.router_names) added
     to exclude by name, so that the config recorded for transformers keeps
     them too (with the "*.name" copy it gives every exact name of a base model)."""
     routers = [glob.escape(n) for n in router_names(model) if config.selects(n)]

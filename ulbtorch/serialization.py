@@ -17,7 +17,8 @@ from . import ops
 from .formats import get_format
 from .hugepages import move_to_hugepages
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
-from .nn.experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
+from .integrations.hf_experts import (expert_shape, fused_weight_names, is_fused_experts, pack_experts,
+                                      parse_expert_layer_name)
 from .nn.replace import is_plain_linear, module_names, replace_everywhere
 
 MANIFEST = "ulbtorch.json"

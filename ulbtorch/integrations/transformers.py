@@ -16,7 +16,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..hugepages import move_to_hugepages
 from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
-from ..nn.experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
+from .hf_experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
 from ..nn.replace import is_plain_linear, name_selected, patterns
 from ..quantize import LM_HEAD, QuantConfig, linear_layers, quantize_
 from ..runtime import _check_bool

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from .linear import _KERNEL_DTYPES, LowBitLinear, _tangents_possible
+from ..nn.linear import _KERNEL_DTYPES, LowBitLinear, _tangents_possible
 
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 PACKED = "packed_"  # packed_gate_up_proj: the layers in place of gate_up_proj
