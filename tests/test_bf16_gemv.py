@@ -131,6 +131,18 @@ def test_bad_input():
         ops.linear_bf16(x.float(), w)
 
 
+def test_linear_bf16_ignores_strides_of_size_one_dims():
+    """Contiguous by PyTorch's rules, refused before: a [1, K] weight whose
+    row stride is 1, and a [M, 1] weight whose column stride is M."""
+    for w in (torch.randn(100, 1).bfloat16().t(), torch.randn(1, 70).bfloat16().t()):
+        assert w.is_contiguous()
+        x = torch.randn(w.shape[1]).bfloat16()
+        assert torch.equal(torch.ops.ulb.linear_bf16(x, w, None), torch.ops.ulb.linear_bf16(x, w.clone(), None))
+    w = torch.randn(70, 100).bfloat16()[:1].expand(70, 100)  # rows overlap: stride 0
+    with pytest.raises(RuntimeError, match=r"rows must be contiguous and not overlap \(strides 0, 1"):
+        torch.ops.ulb.linear_bf16(torch.randn(100).bfloat16(), w, None)
+
+
 def test_fake_impl_traces(gen):
     x, w, b = _case(gen, 20, 48, bias_dtype=torch.bfloat16)
     fn = torch.compile(lambda x: torch.ops.ulb.linear_bf16(x, w, b), fullgraph=True, backend="eager")
@@ -284,3 +296,31 @@ def test_bf16_gemv_include_exclude():
     assert [type(m[k]) for k in "abf"] == [torch.nn.Linear, LinearBF16, torch.nn.Linear]
     with pytest.raises(TypeError, match="exclude must be a list of fnmatch patterns"):
         ulbtorch.bf16_gemv_(model(), exclude=[1])
+
+
+M, K = 8, 64  # the layer the bad-input tests build: 8 outputs, 64 inputs
+
+
+def test_linear_bf16_module_with_no_inputs_is_f_linear():
+    lin = torch.nn.Linear(0, 4, bias=True).bfloat16()
+    torch.nn.init.uniform_(lin.bias)
+    layer = ulbtorch.nn.LinearBF16.from_linear(lin)
+    with torch.no_grad():
+        for shape in [(0,), (3, 0)]:
+            x = torch.empty(shape, dtype=torch.bfloat16)
+            assert torch.equal(layer(x), lin(x))
+
+
+def test_bf16_layer_refuses_what_nn_linear_refuses():
+    from ulbtorch.nn import LinearBF16
+    lin = torch.nn.Linear(K, M).to(torch.bfloat16)
+    lin.bias = torch.nn.Parameter(torch.randn(M))  # fp32 bias on a bf16 weight
+    layer = LinearBF16.from_linear(lin)
+    with torch.no_grad():
+        for inp in (torch.randn(1, K, dtype=torch.bfloat16), torch.randn(2, K, dtype=torch.bfloat16),
+                    torch.tensor(1.0, dtype=torch.bfloat16)):
+            with pytest.raises(RuntimeError) as want:
+                lin(inp)
+            with pytest.raises(RuntimeError) as got:
+                layer(inp)
+            assert str(got.value) == str(want.value)

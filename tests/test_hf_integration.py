@@ -333,3 +333,47 @@ def test_falcon_quantized_on_load_through_ulbconfig(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=UlbConfig(bits=2))
     assert isinstance(model.transformer.h[1].self_attention.query_key_value, Linear2Bit)
     _reloads_bit_exact(model, tmp_path / "packed")
+
+
+# ---- UlbConfig: bad input -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["no", 1, 0, None])
+def test_ulb_config_bf16_gemv_is_a_bool(bad):
+    """bool("no") is True: the option took any truthy value as on."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TypeError, match=f"UlbConfig's bf16_gemv takes True or False, got {bad!r}"):
+        ulbtorch.UlbConfig(bf16_gemv=bad)
+
+
+def test_ulb_config_from_dict_and_update_check_their_options():
+    """transformers' mixin set from_dict's kwargs and update's as attributes,
+    past __init__'s checks (from_dict(d, bf16_gemv="no") kept "no")."""
+    pytest.importorskip("transformers")
+    d = ulbtorch.UlbConfig(format="binary").to_dict()
+    with pytest.raises(TypeError, match="UlbConfig's bf16_gemv takes True or False, got 'no'"):
+        ulbtorch.UlbConfig.from_dict(d, bf16_gemv="no")
+    config, unused = ulbtorch.UlbConfig.from_dict(d, group_size=64, other=1, return_unused_kwargs=True)
+    assert (config.format, config.group_size, config.granularity, unused) == ("binary", 64, "group", {"other": 1})
+    with pytest.raises(ValueError, match="group_size must be 0 or a multiple of 32 for 'binary', got 48"):
+        config.update(group_size=48)
+    assert config.group_size == 64  # a refused update leaves the config as it was
+    assert config.update(group_size=0, other=2) == {"other": 2}
+    assert (config.group_size, config.granularity) == (0, "channel")
+    tensor = ulbtorch.UlbConfig(granularity="tensor")
+    with pytest.raises(ValueError, match="group_size=32 needs granularity='group'"):
+        tensor.update(group_size=32)
+
+
+def test_ulb_config_checks_options_as_quantize_does():
+    pytest.importorskip("transformers")
+    for kwargs, error, match in [(dict(bits=True), ValueError, "bits must be 1, 'ternary'/1.58, 2, 4 or 8"),
+                                 (dict(group_size=32.0), TypeError, "group_size must be an int"),
+                                 (dict(lm_head_bits=True), ValueError, "lm_head_bits=True"),
+                                 (dict(lm_head_group_size="32"), TypeError, "lm_head_group_size must be an int")]:
+        with pytest.raises(error, match=match):
+            ulbtorch.UlbConfig(**kwargs)
+        with pytest.raises(error, match=match):
+            ulbtorch.QuantConfig(**kwargs)
+    cfg = ulbtorch.UlbConfig(bits=4, group_size=32, bf16_gemv=False, lm_head_bits=8)
+    back = ulbtorch.UlbConfig.from_dict(json.loads(cfg.to_json_string()))
+    assert back.to_dict() == cfg.to_dict() and back.bf16_gemv is False

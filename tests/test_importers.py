@@ -347,3 +347,37 @@ def test_imported_models_save_through_transformers(tmp_path):
         assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()], name
         with torch.no_grad():
             assert torch.equal(again(ids).logits, logits), name
+
+
+# ---- grid importer: bad input ---------------------------------------------------------------------
+
+M, K = 8, 64  # the layer the bad-input tests build: 8 outputs, 64 inputs
+
+
+def test_grid_exclude_is_a_pattern_list_or_one_name():
+    from ulbtorch.importers.grid import convert_grid_linears
+    model = torch.nn.Sequential()
+    model.add_module("body", torch.nn.Linear(K, M))
+    model.add_module("lm_head", torch.nn.Linear(M, M))  # not on a grid: must be left alone
+    with torch.no_grad():
+        model.body.weight.copy_(torch.sign(torch.randn(M, K)) * 0.1)
+    convert_grid_linears(model, 1, exclude="lm_head")  # one string is one name, not its characters
+    assert type(model.body) is Linear1Bit and type(model.lm_head) is torch.nn.Linear
+
+
+def test_convert_grid_linears_with_a_layer_off_the_grid_leaves_the_model_as_it_was():
+    from ulbtorch.importers import convert_grid_linears
+    on_grid = torch.nn.Linear(32, 8)
+    with torch.no_grad():
+        on_grid.weight.copy_(torch.where(torch.rand(8, 32) > 0.5, 0.1, -0.1))
+    model = torch.nn.Sequential(on_grid, torch.nn.Linear(32, 8))
+    with pytest.raises(ValueError, match="not on a binary grid"):
+        convert_grid_linears(model, 1)
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.Linear]
+
+
+@pytest.mark.parametrize("shape", [(K,), (M, 0), (2, M, K)])
+def test_grid_import_names_a_weight_that_is_not_a_matrix(shape):
+    from ulbtorch.importers.grid import pack_grid_weight
+    with pytest.raises(ValueError, match="2-D"):
+        pack_grid_weight(torch.ones(shape), 1)

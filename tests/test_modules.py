@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from safetensors.torch import load_file, save_file
 
 import ulbtorch
@@ -562,6 +563,18 @@ def test_reference_path_sees_new_weights(gen):
         assert torch.equal(layer(x), want(src))
 
 
+def test_reference_path_sees_repacked_weights():
+    layer = Linear2Bit.from_linear(nn.Linear(64, 16))
+    layer.force_reference = True
+    x = torch.randn(2, 64)
+    before = layer(x)
+    other = Linear2Bit.from_linear(nn.Linear(64, 16))
+    layer.packed.copy_(other.packed)  # in place: same tensor, new version
+    expect = ulbtorch.ops.reference_linear(x, other.dequantize(), layer.bias)
+    torch.testing.assert_close(layer(x), expect, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(layer(x), before)
+
+
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
 def test_meta_layer_gives_meta_output(gen, cls, fmt):
     """A layer moved to meta computes shapes, as nn.Linear does there."""
@@ -742,3 +755,116 @@ def test_load_state_dict_takes_a_strided_blob(gen):
     assert layer.packed.is_contiguous() and torch.equal(layer.packed, blob)
     x = torch.randn(2, K_IN, generator=gen)
     assert torch.equal(layer(x), other(x))
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+M, K = 8, 64  # the layer the bad-input tests build: 8 outputs, 64 inputs
+
+
+def test_module_wrong_in_features():
+    layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    with pytest.raises(ValueError, match="Linear2Bit expects 64 input features, got input of shape"):
+        layer(torch.randn(2, 60))
+    layer.force_reference = True
+    with pytest.raises(ValueError, match="expects 64 input features"):
+        layer(torch.randn(2, 60))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_module_integer_input_rejected(dtype):
+    """nn.Linear refuses integer input; a quantised layer must not silently
+    cast it to float and truncate the output back to integers."""
+    layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    with pytest.raises((TypeError, RuntimeError), match="(?i)dtype|float"):
+        layer(torch.ones(2, K, dtype=dtype))
+
+
+@pytest.mark.parametrize("args", [(128.0, 64), (128, 64.0), (True, 64), ("128", 64)])
+def test_layer_features_must_be_ints(args):
+    with pytest.raises(TypeError, match="features must be an int"):
+        ulbtorch.nn.Linear2Bit(*args)
+
+
+def test_the_base_layer_names_the_real_ones():
+    from ulbtorch.nn.linear import LowBitLinear
+    with pytest.raises(TypeError, match="Linear2Bit"):
+        LowBitLinear(K, M)
+
+
+def test_meta_input_to_a_module_gives_the_output_shape():
+    """Shape inference on meta inputs runs the reference path; its bias
+    followed the module's device and the call failed with a device clash."""
+    layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+    y = layer(torch.randn(3, K, device="meta"))
+    assert y.is_meta and y.shape == (3, M)
+
+
+def test_load_state_dict_of_another_format():
+    src = LinearTernary.from_linear(torch.nn.Linear(K, M))
+    dst = Linear2Bit(K, M, True, format="int2")
+    before = dst.packed.clone()
+    with pytest.raises(RuntimeError, match="packed weight is .*'format': 'ternary'.* but the layer is .*'int2'"):
+        dst.load_state_dict(src.state_dict())
+    assert torch.equal(dst.packed, before)
+    with pytest.raises(RuntimeError, match="no packed weights"):
+        dst.dequantize()
+
+
+def test_load_state_dict_of_garbage():
+    dst = Linear2Bit(K, M, True)
+    sd = Linear2Bit.from_linear(torch.nn.Linear(K, M)).state_dict()
+    sd["packed"] = torch.randint(0, 256, (sd["packed"].numel(),), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+        dst.load_state_dict(sd)
+    sd["packed"] = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="packed weight must be the 1-D uint8 tensor"):
+        dst.load_state_dict(sd)
+
+
+def test_assigning_a_blob_of_another_format_or_group_size():
+    """layer.packed = blob is checked like load_state_dict: the kernel follows
+    the blob's header, dequantize() and the reference path the layer's."""
+    lin = torch.nn.Linear(K, M)
+    dst = Linear2Bit(K, M, True)
+    for src in (Linear2Bit.from_linear(lin, group_size=32), Linear1Bit.from_linear(lin),
+                Linear2Bit.from_linear(torch.nn.Linear(K + 32, M))):
+        with pytest.raises(ValueError, match=r"Linear2Bit.packed: packed weight is .* but the layer is"):
+            dst.packed = src.packed.clone()
+    with pytest.raises(ValueError, match="not a valid ulbtorch packed weight"):
+        dst.packed = torch.randint(0, 256, dst.packed.shape, dtype=torch.uint8)
+    same = Linear2Bit.from_linear(lin)
+    dst.packed = same.packed.clone()  # same geometry: taken
+    assert torch.equal(dst.dequantize(), same.dequantize())
+
+
+def test_from_codes_refuses_a_meta_bias():
+    with pytest.raises(ValueError, match="meta"):
+        Linear2Bit.from_codes(torch.zeros(M, K, dtype=torch.uint8), torch.ones(M, 1), bias=torch.zeros(M, device="meta"))
+
+
+def test_reference_path_of_a_layer_made_in_inference_mode():
+    with torch.inference_mode():
+        layer = Linear2Bit.from_linear(torch.nn.Linear(K, M))
+        x = torch.randn(3, K)
+        kernel = layer(x)
+        layer.force_reference = True
+        ref = layer(x)
+    torch.testing.assert_close(ref, kernel, rtol=1e-4, atol=1e-4)
+    # No gradient through a weight made in inference mode, as nn.Linear's:
+    # the kernel's autograd function says so, the reference path's F.linear too.
+    for reference in (False, True):
+        layer.force_reference = reference
+        with pytest.raises(RuntimeError, match="made in inference mode|Inference tensors"):
+            layer(torch.randn(3, K, requires_grad=True))
+
+
+def test_binary_absmean_of_huge_finite_weights():
+    """mean|W| of finite weights can overflow fp32; the scale stays finite."""
+    lin = torch.nn.Linear(64, 70)
+    with torch.no_grad():
+        lin.weight.fill_(3e38)
+        lin.weight[1::2] *= -1
+    w = Linear1Bit.from_linear(lin).dequantize()
+    assert torch.isfinite(w).all()
+    assert torch.allclose(w, lin.weight, rtol=1e-6)

@@ -122,6 +122,14 @@ def test_bad_settings_rejected(bits, nbytes, match):
         runtime.prefetch_distance(3)
 
 
+@pytest.mark.parametrize("bits", [2.0, True, 2 ** 32 + 2, "2"])
+def test_prefetch_width_checked_before_c(bits):
+    with pytest.raises(ValueError, match="no prefetch setting for bits="):
+        runtime.prefetch_distance(bits)
+    with pytest.raises(ValueError, match="no prefetch setting for bits="):
+        runtime.set_prefetch_distance(bits, 64)
+
+
 def _distances_at_load(env):
     code = ("import warnings; warnings.simplefilter('always'); from ulbtorch import runtime; "
             "print([runtime.prefetch_distance(b) for b in runtime.PREFETCH_WIDTHS])")
@@ -193,3 +201,37 @@ def test_lut1_rule():
         runtime.lut1_serves("vnni", -1, 1)
     with pytest.raises(ValueError, match="threads must be"):
         runtime.lut1_serves("vnni", 1, 0)
+
+
+def test_lut1_switch(monkeypatch):
+    at_load = {"0": False, "1": True}.get(os.environ.get("ULB_LUT1"), "auto")
+    assert runtime.lut1_setting() == at_load, "the lookup-table kernels are on 'auto' unless ULB_LUT1 says"
+    assert runtime.lut1_enabled() == (at_load is not False and runtime.lut1_available())
+    if runtime.lut1_available():
+        for other in (True, False, "auto"):
+            with runtime.use_lut1(other):
+                assert runtime.lut1_setting() == other and runtime.lut1_enabled() == (other is not False)
+            assert runtime.lut1_setting() == at_load
+        show = "import ulbtorch; print(repr(ulbtorch.runtime.lut1_setting()))"
+        for env_value, shown in (("0", "False"), ("1", "True"), ("auto", "'auto'"), ("", "'auto'")):
+            out = subprocess.run([sys.executable, "-c", show],
+                                 capture_output=True, text=True, timeout=120, env=dict(os.environ, ULB_LUT1=env_value))
+            assert out.stdout.strip() == shown, (env_value, out.stderr)
+            assert ("ULB_LUT1=" in out.stderr) == (env_value == ""), (env_value, out.stderr)  # '' alone warns
+    monkeypatch.setattr(runtime, "lut1_available", lambda isa=None: False)
+    assert not runtime.lut1_enabled()
+    with pytest.raises(RuntimeError, match="no 1-bit lookup-table kernel runs on this CPU"):
+        runtime.set_lut1(True)
+    runtime.set_lut1(False)  # turning it off is always allowed
+
+
+def test_lut1_on_in_the_environment_without_a_kernel_is_auto(monkeypatch):
+    """ULB_LUT1=1 where no lookup kernel runs left a setting that set_lut1
+    refuses, so restoring it (use_lut1, the tests' fixture) raised."""
+    monkeypatch.setenv("ULB_LUT1", "1")
+    monkeypatch.setattr(runtime, "lut1_available", lambda isa=None: False)
+    runtime.set_lut1(False)
+    runtime._lib.ulb_lut1_set(1)  # as the kernels read ULB_LUT1=1 at load
+    with pytest.warns(RuntimeWarning, match="ULB_LUT1=1, but no 1-bit lookup-table kernel runs on this CPU"):
+        runtime._check_switch_env()
+    assert runtime.lut1_setting() == "auto"
