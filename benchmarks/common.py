@@ -370,7 +370,7 @@ def environment() -> dict:
     import ulbtorch
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "ulbtorch": getattr(ulbtorch, "__version__", "?"), "machine": platform.machine(),
-           "cpu": _cpu_name(), "cores": os.cpu_count(), "isa": ulbtorch.runtime.get_isa(),
+           **_cpu_id(), "cores": os.cpu_count(), "isa": ulbtorch.runtime.get_isa(),
            "supported_isas": ulbtorch.runtime.supported_isas()}
     try:
         import transformers
@@ -380,15 +380,23 @@ def environment() -> dict:
     return env
 
 
-def _cpu_name() -> str:
+def _cpu_id() -> dict:
+    """The CPU's model name and, on x86, its CPUID family and model (what
+    tells Zen 4 from Zen 5 where a VM names both "AMD EPYC")."""
+    fields = {"model name": "cpu", "cpu family": "cpu_family", "model": "cpu_model"}
+    out = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() in fields and fields[key.strip()] not in out:
+                    out[fields[key.strip()]] = value.strip()
+                if not line.strip() and out:
+                    break
     except OSError:
         pass
-    return platform.processor() or "?"
+    out.setdefault("cpu", platform.processor() or "?")
+    return out
 
 
 def print_environment(env: dict | None = None) -> dict:
@@ -474,19 +482,26 @@ class Table:
         return "\n".join(lines) + "\n"
 
 
+def command_line() -> str:
+    """The command that is running, as one would type it from the current
+    directory: what benchmarks/results/render.py prints beside each number."""
+    import shlex
+    return shlex.join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+
+
 def write_outputs(tables: Sequence[Table], *, json_path: str | None = None, md_path: str | None = None,
-                  meta: dict | None = None, notes: Sequence[str] = ()) -> None:
-    """Write every table's rows (plus meta) as JSON and/or as markdown."""
+                  meta: dict | None = None, notes: Sequence[str] = (), extra: dict | None = None) -> None:
+    """Write every table's rows (plus meta, the command and `extra`) as JSON
+    and/or the tables as markdown."""
+    meta = {"command": command_line(), **(meta or {})}
     if json_path:
-        payload = {"meta": meta or {}, "notes": list(notes),
-                   "tables": {t.title or f"table{i}": t.rows for i, t in enumerate(tables)}}
+        payload = {"meta": meta, "notes": list(notes),
+                   "tables": {t.title or f"table{i}": t.rows for i, t in enumerate(tables)}, **(extra or {})}
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=1, default=str)
         print(f"wrote {json_path}")
     if md_path:
-        parts = []
-        if meta:
-            parts.append("`" + json.dumps(meta, default=str) + "`\n")
+        parts = ["`" + json.dumps(meta, default=str) + "`\n"]
         parts += [t.markdown() for t in tables]
         parts += [f"- {n}" for n in notes]
         with open(md_path, "w") as f:

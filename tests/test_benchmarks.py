@@ -82,3 +82,32 @@ def test_benchmark_runs(name, tmp_path, shapes_file):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert expect in proc.stdout, proc.stdout[-2000:]
     assert not os.listdir(tmp_path), "a benchmark wrote files it was not asked for"
+
+
+def test_results_readme_is_rendered_from_the_json():
+    """benchmarks/results/README.md is what render.py makes of the JSON beside
+    it: a run added without rendering (or a hand edit) fails here."""
+    render = os.path.join(BENCH, "results", "render.py")
+    proc = subprocess.run([sys.executable, render, "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, "run: python benchmarks/results/render.py\n" + proc.stderr[-2000:]
+
+
+def test_render_summarises_a_benchmark_json(tmp_path):
+    """A --json file of gemv.py or decode.py becomes a row per format and
+    thread count, with the command that wrote it."""
+    sys.path.insert(0, os.path.join(BENCH, "results"))
+    try:
+        import render
+    finally:
+        sys.path.remove(os.path.join(BENCH, "results"))
+    env = {"cpu": "CPU X", "cpu_family": "26", "cpu_model": "2", "cores": 2, "isa": "avx512",
+           "supported_isas": ["scalar", "avx512"], "torch": "2.13.0"}
+    gemv = [{"model": "m", "threads": 1, "format": "int2_sym", "gbps": g, "speedup": x, "pct_bw": b, "pct_stream": s}
+            for g, x, b, s in ((30.0, 16.0, 90.0, 95.0), (34.0, 25.0, 80.0, 85.0))]
+    path = tmp_path / "gemv.json"
+    path.write_text(json.dumps({"meta": {"command": "python benchmarks/gemv.py --json gemv.json", "env": env},
+                                "tables": {"GEMV N=1, cold": gemv}, "notes": []}))
+    rows, machine = render.rows_of_file(str(path), "m/gemv.json")
+    assert "CPUID family 26 model 2" in machine and "ISA avx512" in machine
+    assert len(rows) == 1 and rows[0]["vs_bf16"].startswith("20.00x") and rows[0]["pct_beta"].startswith("85%")
+    assert rows[0]["command"] == "python benchmarks/gemv.py --json gemv.json"
