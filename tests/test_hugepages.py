@@ -183,7 +183,7 @@ def test_without_thp_nothing_moves(monkeypatch):
 @pytest.mark.parametrize("flag", [True, False])
 def test_quantize_moves_only_when_asked(monkeypatch, flag):
     calls = []
-    monkeypatch.setattr(ulbtorch.quantize, "move_to_hugepages", lambda m: calls.append(m))
+    monkeypatch.setattr(ulbtorch.finish, "move_to_hugepages", lambda m: calls.append(m))
     model = ulbtorch.quantize_(tiny_llama(), bits=2, hugepages=flag)
     assert calls == ([model] if flag else [])
 

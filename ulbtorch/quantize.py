@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import glob
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from torch import nn
 
+from .finish import finish_conversion
 from .formats import FORMATS
-from .hugepages import move_to_hugepages
-from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
 from .integrations.hf_experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts, router_names
+from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear
 from .nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 from .runtime import _check_bool
@@ -172,15 +173,27 @@ class QuantConfig:
         return asdict(self)
 
 
-def record_for_transformers(model: nn.Module, config: QuantConfig) -> None:
-    """For a transformers model: record in model.config the UlbConfig that
-    makes save_pretrained write a checkpoint from_pretrained loads packed
-    (integrations.transformers.record_quant_config)."""
-    # A whole model (base or head), not a submodule that holds the model's
-    # config (transformers' experts modules do): that config is the model's.
-    if type(getattr(model, "config", None)).__module__.startswith("transformers.") and hasattr(model, "base_model"):
-        from .integrations.transformers import record_quant_config
-        record_quant_config(model, config)
+# The options a saved config records (transformers' UlbConfig, which vLLM's
+# plugin reads too) with their defaults: every field of QuantConfig but
+# include and exclude, which it records as one list of the layers kept in float.
+SAVED_OPTIONS = {f.name: f.default for f in fields(QuantConfig) if f.name not in ("include", "exclude")}
+
+
+# hook(model, config), run once quantize_ or an importer has converted a
+# model's layers under config: the integrations record there what they keep
+# about a conversion (integrations.lazy_hf: the UlbConfig a transformers model
+# is saved with), so that this module imports none of them.
+_CONVERSION_HOOKS: list[Callable[[nn.Module, "QuantConfig"], None]] = []
+
+
+def register_conversion_hook(hook: Callable[[nn.Module, "QuantConfig"], None]) -> None:
+    if hook not in _CONVERSION_HOOKS:
+        _CONVERSION_HOOKS.append(hook)
+
+
+def run_conversion_hooks(model: nn.Module, config: QuantConfig) -> None:
+    for hook in _CONVERSION_HOOKS:
+        hook(model, config)
 
 
 def _warn_nothing_converted(model: nn.Module, config: QuantConfig) -> None:
@@ -298,10 +311,8 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
         pack_experts(m, layers)
     packed_bytes = sum(layer.packed.numel() for _, layer in built) + sum(
         layer.packed.numel() for layers in built_experts.values() for per in layers.values() for layer in per)
-    if config.bf16_gemv:
-        bf16_gemv_(model)
-    record_for_transformers(model, config)
-    placed = move_to_hugepages(model) if hugepages else None
+    placed = finish_conversion(model, bf16_gemv=config.bf16_gemv, hugepages=hugepages)
+    run_conversion_hooks(model, config)
     if progress:
         print(f"quantize_: {len(targets)} layers, {sum(map(len, built_experts.values()))} expert weights "
               f"to {config.format}: weights {float_bytes / 2**20:.1f} MiB -> "

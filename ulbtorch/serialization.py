@@ -4,7 +4,6 @@ the bf16 layers on the bf16 GEMV), so a model built from its config loads
 back bit-exactly without re-quantising."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import warnings
@@ -13,10 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from . import ops
-from .formats import get_format
-from .hugepages import move_to_hugepages
-from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_
+from .finish import finish_conversion
+from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear
 from .integrations.hf_experts import (expert_shape, fused_weight_names, is_fused_experts, pack_experts,
                                       parse_expert_layer_name)
 from .nn.replace import is_plain_linear, module_names, replace_everywhere
@@ -42,14 +39,6 @@ def save_quantized(model: nn.Module, directory: str) -> None:
     gemv = [name for name, m in model.named_modules() if isinstance(m, LinearBF16)]
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"version": FORMAT_VERSION, "layers": layers, "bf16_gemv": gemv}, f, indent=1)
-
-
-def retile_for_this_cpu(layer: LowBitLinear) -> None:
-    """A 1-bit layer's tiles in the order this CPU's kernels read fastest."""
-    if layer.packed.is_cpu and get_format(layer.format).bits == 1:
-        want = ops.preferred_tiles(layer.format)
-        if ops.packed_info(layer.packed)["tiles"] != want:
-            layer.packed = ops.retile(layer.packed, want)
 
 
 def _layer_for(path: str, name: str, spec) -> LowBitLinear:
@@ -175,12 +164,9 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
     if missing or unexpected:
         raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    for layer in model.modules():  # 1-bit tiles in this CPU's order, whatever CPU packed them
-        if isinstance(layer, LowBitLinear):
-            retile_for_this_cpu(layer)
     gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
+    finish_conversion(model, bf16_gemv=gemv, hugepages=hugepages)
     if gemv:
-        bf16_gemv_(model, include=[glob.escape(n) for n in gemv])  # names, not patterns
         here = dict(model.named_modules(remove_duplicate=False))
         # bf16_gemv_ takes only bf16 layers: a model built in another dtype keeps these on F.linear.
         skipped = [f"{n} ({str(here[n].weight.dtype).removeprefix('torch.')})"
@@ -190,6 +176,4 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
                           "layers in bf16 on ulbtorch's bf16 GEMV (nn.LinearBF16), but their weights here are not "
                           "bfloat16, so the outputs differ from the saved model's; build the model with "
                           "dtype=torch.bfloat16 to reproduce it", stacklevel=2)
-    if hugepages:
-        move_to_hugepages(model)
     return model

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..nn import MODULE_FOR_FORMAT
 from ..nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
-from ..quantize import LM_HEAD, QuantConfig, record_for_transformers
+from ..quantize import LM_HEAD, QuantConfig, run_conversion_hooks
 
 GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
 
@@ -111,6 +111,6 @@ def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tupl
     for lin, layer in built:
         replace_everywhere(model, names, lin, layer)  # a layer used at two places, at both
     if chosen:  # so that save_pretrained writes a checkpoint from_pretrained loads packed
-        record_for_transformers(model, QuantConfig(format=GRID_FORMATS[bits], include=list(include),
-                                                   exclude=list(exclude), bf16_gemv=False))
+        run_conversion_hooks(model, QuantConfig(format=GRID_FORMATS[bits], include=list(include),
+                                                exclude=list(exclude), bf16_gemv=False))
     return model

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..nn import LinearTernary, bf16_gemv_, replace_module
-from ..quantize import QuantConfig, linear_layers, record_for_transformers
+from ..finish import finish_conversion
+from ..nn import LinearTernary, replace_module
+from ..quantize import QuantConfig, linear_layers, run_conversion_hooks
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")
@@ -171,10 +172,10 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise ValueError(f"{directory}: checkpoint lacks tensors {still_meta[:5]}")
-    if bf16_gemv:  # as quantize_: the bf16 layers left (lm_head) on the one-token bf16 GEMV
-        bf16_gemv_(model)
+    # as quantize_: the bf16 layers left (lm_head) on the one-token bf16 GEMV
+    finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
     # ulbtorch's own config, so that save_pretrained writes a checkpoint from_pretrained loads packed
-    record_for_transformers(model, QuantConfig(format="ternary", granularity="tensor",
+    run_conversion_hooks(model, QuantConfig(format="ternary", granularity="tensor",
                                                exclude=[n for n, _ in linear_layers(model, lambda n: True)],
                                                bf16_gemv=bf16_gemv))
     return model.eval()
@@ -226,6 +227,5 @@ def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Modu
             # transformers would replay BitNet's load-time conversion backwards
             # on save; our layers are saved as they are.
             model._weight_conversions = []
-    if bf16_gemv:
-        bf16_gemv_(model)
+    finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
     return model

@@ -1,16 +1,33 @@
 """Registers quant_method "ulb" with transformers without importing it.
 
-Importing transformers' quantizer registry costs seconds, so `import ulbtorch`
+Importing transformers' quantizer registry takes seconds, so `import ulbtorch`
 does not do it. The method is registered when transformers.quantizers itself
 is imported (by from_pretrained, or by anyone), through a one-shot import
-hook; if it is already imported, at once.
+hook; if it is already imported, at once. install() also has quantize_ and
+the importers record a UlbConfig in the transformers models they convert
+(record_for_transformers), importing integrations.transformers only then.
 """
 from __future__ import annotations
 
 import importlib.abc
 import sys
 
+from torch import nn
+
+from ..quantize import QuantConfig, register_conversion_hook
+
 _TARGET = "transformers.quantizers"
+
+
+def record_for_transformers(model: nn.Module, config: QuantConfig) -> None:
+    """For a transformers model: record in model.config the UlbConfig that
+    makes save_pretrained write a checkpoint from_pretrained loads packed
+    (integrations.transformers.record_quant_config)."""
+    # A whole model (base or head), not a submodule that holds the model's
+    # config (transformers' experts modules do): that config is the model's.
+    if type(getattr(model, "config", None)).__module__.startswith("transformers.") and hasattr(model, "base_model"):
+        from .transformers import record_quant_config
+        record_quant_config(model, config)
 
 
 def _register() -> None:
@@ -44,6 +61,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
+    register_conversion_hook(record_for_transformers)
     if _TARGET in sys.modules:
         _register()
     elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):

@@ -14,13 +14,12 @@ import warnings
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..hugepages import move_to_hugepages
-from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, bf16_gemv_, replace_module
-from .hf_experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
+from ..finish import finish_conversion
+from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, replace_module
 from ..nn.replace import is_plain_linear, name_selected, patterns
-from ..quantize import LM_HEAD, QuantConfig, linear_layers, quantize_
+from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig, linear_layers, quantize_
 from ..runtime import _check_bool
-from ..serialization import retile_for_this_cpu
+from .hf_experts import expert_shape, fused_weight_names, is_fused_experts, pack_experts, parse_expert_layer_name
 
 QUANT_METHOD = "ulb"
 
@@ -32,30 +31,27 @@ class UlbConfig(QuantizationConfigMixin):
     fnmatch patterns kept in float (default lm_head); bf16_gemv (default
     True): run the layers kept in bf16 through nn.LinearBF16; lm_head_bits
     (default None): quantize lm_head too, e.g. 8 for int8, with
-    lm_head_group_size (see QuantConfig)."""
+    lm_head_group_size (see QuantConfig). Its attributes, and so the saved
+    config, are QuantConfig's SAVED_OPTIONS as QuantConfig fills them in, after
+    quant_method and modules_to_not_convert (QuantConfig's exclude)."""
 
-    def __init__(self, bits=None, format=None, group_size=0, granularity=None, method=None,
-                 modules_to_not_convert=None, bf16_gemv=True, lm_head_bits=None, lm_head_group_size=0,
-                 **kwargs):
-        quant_method = kwargs.pop("quant_method", QUANT_METHOD)
+    def __init__(self, modules_to_not_convert=None, **options):
+        quant_method = options.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
-        if kwargs:
-            raise ValueError(f"UlbConfig: unknown options {sorted(kwargs)}")
+        unknown = sorted(set(options) - set(SAVED_OPTIONS))
+        if unknown:
+            raise ValueError(f"UlbConfig: unknown options {unknown}")
         self.quant_method = QUANT_METHOD
         # [] converts every layer, as in transformers' other quantizers; None is the default.
         if modules_to_not_convert is None:
             modules_to_not_convert = list(LM_HEAD)
         self.modules_to_not_convert = patterns(modules_to_not_convert,
                                                "modules_to_not_convert")
-        q = QuantConfig(bits=bits, format=format, group_size=group_size, granularity=granularity,
-                        method=method, exclude=self.modules_to_not_convert, lm_head_bits=lm_head_bits,
-                        lm_head_group_size=lm_head_group_size)
-        self.bits, self.format, self.group_size = q.bits, q.format, q.group_size
-        self.granularity, self.method = q.granularity, q.method
-        _check_bool(bf16_gemv, "UlbConfig's bf16_gemv")
-        self.bf16_gemv = bf16_gemv
-        self.lm_head_bits, self.lm_head_group_size = lm_head_bits, q.lm_head_group_size
+        _check_bool(options.get("bf16_gemv", SAVED_OPTIONS["bf16_gemv"]), "UlbConfig's bf16_gemv")
+        q = QuantConfig(**options, exclude=self.modules_to_not_convert)
+        for name in SAVED_OPTIONS:
+            setattr(self, name, getattr(q, name))
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
@@ -82,10 +78,8 @@ class UlbConfig(QuantizationConfigMixin):
         return d
 
     def to_quant_config(self) -> QuantConfig:
-        return QuantConfig(bits=self.bits, format=self.format, group_size=self.group_size,
-                           granularity=self.granularity, method=self.method,
-                           exclude=self.modules_to_not_convert, bf16_gemv=self.bf16_gemv,
-                           lm_head_bits=self.lm_head_bits, lm_head_group_size=self.lm_head_group_size)
+        return QuantConfig(**{name: getattr(self, name) for name in SAVED_OPTIONS},
+                           exclude=self.modules_to_not_convert)
 
 
 def record_quant_config(model, config: QuantConfig) -> None:
@@ -118,7 +112,8 @@ def record_quant_config(model, config: QuantConfig) -> None:
                   ("a quantized lm_head tied to the input embedding" if candidate is None else
                    "layers of more than one format or group size") +
                   "), so model.config records none and transformers' save_pretrained would write a checkpoint "
-                  "that loads unquantized; save it with ulbtorch.save_quantized", stacklevel=3)
+                  "that loads unquantized; save it with ulbtorch.save_quantized",
+                  stacklevel=5)  # the call of quantize_ or the importer, through run_conversion_hooks
 
 
 def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
@@ -147,10 +142,7 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
                  if not config.selects(w) and not name_selected(w, config.exclude, [])]
         for n in sorted(left):
             exclude += [n, f"*.{n}"] if inner else [n]
-    return UlbConfig(bits=config.bits, format=config.format, group_size=config.group_size,
-                     granularity=config.granularity, method=config.method, modules_to_not_convert=exclude,
-                     bf16_gemv=config.bf16_gemv, lm_head_bits=config.lm_head_bits,
-                     lm_head_group_size=config.lm_head_group_size)
+    return UlbConfig(modules_to_not_convert=exclude, **{name: getattr(config, name) for name in SAVED_OPTIONS})
 
 
 def _describes(model, config: QuantConfig) -> bool:
@@ -230,11 +222,7 @@ class UlbHfQuantizer(HfQuantizer):
             why = isinstance(m, LowBitLinear) and m.packed_mismatch()
             if why:
                 raise ValueError(f"{name}: the checkpoint disagrees with its quantization_config: {why}")
-            if isinstance(m, LowBitLinear):
-                retile_for_this_cpu(m)  # packed on a CPU that preferred the other 1-bit tile order
-        if self.quantization_config.bf16_gemv:
-            bf16_gemv_(model)
-        move_to_hugepages(model)  # as quantize_ does
+        finish_conversion(model, bf16_gemv=self.quantization_config.bf16_gemv, hugepages=True)
         return model
 
     def is_serializable(self, **kwargs):

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
 from ..nn.bf16 import gemv_serves
-from ..quantize import LM_HEAD, QuantConfig
+from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
 
 QUANT_METHOD = "ulb"
@@ -60,11 +60,8 @@ class UlbVllmConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "UlbVllmConfig":
         skip = config.get("modules_to_not_convert")
         skip = list(LM_HEAD) if skip is None else list(skip)
-        quant = QuantConfig(bits=config.get("bits"), format=config.get("format"),
-                            group_size=config.get("group_size", 0), granularity=config.get("granularity"),
-                            method=config.get("method"), exclude=skip, bf16_gemv=config.get("bf16_gemv", True),
-                            lm_head_bits=config.get("lm_head_bits"),
-                            lm_head_group_size=config.get("lm_head_group_size") or 0)
+        quant = QuantConfig(**{name: config.get(name, default) for name, default in SAVED_OPTIONS.items()},
+                            exclude=skip)
         return cls(quant, skip)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
