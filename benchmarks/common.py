@@ -47,8 +47,8 @@ def l3_bytes() -> int:
 
 
 # Bytes a cold rotation (and the read probe's buffer) spans: 600 MiB, or 2.5x
-# the L3 where that is more. The Zen VMs have 32 MiB of L3; the Xeon VM of
-# benchmarks/results/README.md reports 480 MiB, which a 600 MiB rotation
+# the L3 where that is more: the Zen VMs have 32 MiB of L3, but the Xeon VM
+# of benchmarks/results/xeon_amx reports 480 MiB, which a 600 MiB rotation
 # does not safely leave.
 COLD_MIB = max(600, math.ceil(2.5 * l3_bytes() / MiB))
 
@@ -265,8 +265,8 @@ def probe_item(t: torch.Tensor) -> tuple[int, int]:
 def raw_probe(threads: int, streams: int) -> Callable[[tuple[int, int]], Any]:
     """The read probe as lean a call as the eager GEMV's: read(item), one
     ctypes call on a probe_item. runtime.read_probe checks its arguments in
-    Python, which after a cold stream costs 2-9 us more a call than this
-    (results run X7), and would flatter "% stream"."""
+    Python, which after a cold stream costs more a call than this and would
+    flatter "% stream"."""
     import ctypes
 
     import ulbtorch
@@ -283,7 +283,7 @@ def beta_slices(size_mib: int, hugepages: bool = False) -> list[torch.Tensor]:
     """BETA_SLICE-byte slices of a fresh size_mib buffer (in 2 MiB pages with
     hugepages): read one a round, in turn, beside the candidates of
     time_interleaved, they give the read bandwidth of the same moments; DRAM
-    speed drifted ~10% between runs of one hour on the Xeon VM, which moved
+    speed drifts between runs of one hour on the shared VMs, which moved
     every percentage of a beta measured once at the start."""
     big = torch.ones(max(size_mib * MiB, BETA_SLICE), dtype=torch.uint8)
     if hugepages:
@@ -312,7 +312,7 @@ _READ_KERNELS = {
     "fp32.sum": lambda t: t.view(torch.float32).sum(),
     # ulbtorch's read probe: one run per thread, as the GEMV kernels read, and
     # four runs read a line of each in turn, which some cores (Zen 3) read
-    # 1.3-1.6x faster than one (kernels/src/probe.c).
+    # faster than one (kernels/src/probe.c).
     "probe": _probe(1),
     "probe.x4": _probe(4),
 }

@@ -41,7 +41,7 @@ LLAMA_DEFAULTS = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embedd
 
 # Mixture-of-experts configs (shapes.json has dense Llama ones only), each
 # built as its own model type: the experts ulbtorch packs one layer per expert.
-# The whole models take 14-60 GB in bf16: run them with --layers 4.
+# The whole models do not fit in memory in bf16: run them with --layers 4.
 MOE_CONFIGS = {
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,

@@ -3,7 +3,7 @@ process, timed in turn.
 
 Two copies of the same bytes: one in a mapping advised MADV_NOHUGEPAGE (4 KiB
 pages), one in ulbtorch's HugePageArena (2 MiB pages). Memory a process
-faults later can stream 7-14% faster on the VMs here (benchmarks/README.md),
+faults later can stream faster on the VMs here (benchmarks/results/archive),
 so the copies are faulted in turn (copy i of one right after copy i of the
 other) or the 4 KiB one last, and every round of timing starts with the
 other placement.

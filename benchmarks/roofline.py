@@ -11,7 +11,7 @@ of packed weight bytes, in one process:
            matrix that sits in L2 (256 x 4096 by default), looped over, per
            format and ISA, in GB/s of packed blob bytes. "GB/s call" is
            bytes / whole-call time; the op also pays a fixed cost per call
-           (dispatch, activation quantisation, ~5 us) that a 256 KiB matrix
+           (dispatch, activation quantisation) that a 256 KiB matrix
            does not hide, so by default (--gamma-mode fit) gamma is the inverse
            slope of time vs bytes over M/2, M and 2M rows (all L2-resident),
            and the intercept is reported as "ovh us"
