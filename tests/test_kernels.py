@@ -1,7 +1,6 @@
 """The C kernels through torch.ops.ulb: every ISA path against the scalar
 oracle (bit for bit) and against plain integer arithmetic in PyTorch."""
 import contextlib
-import ctypes
 import functools
 import os
 import platform
@@ -15,7 +14,7 @@ import torch
 
 import ulbtorch
 from ulbtorch import ops, runtime
-from ulbtorch.formats import FORMATS, FORMATS_BY_ID, get_format, n_groups, normalize_group_size
+from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
 
 ISAS = runtime.supported_isas()
 # Kernel sets under test: every ISA (with a 1-bit lookup-table kernel where
@@ -523,9 +522,9 @@ def test_pack_unpack_round_trip(gen, form, M, K, gs):
     fmt, tiles = _form(form)
     f = get_format(fmt)
     if gs == "block":  # the smallest group the format takes
-        gs = f.k_block
+        gs = f.tile_k
     elif gs == "3block":
-        gs = 3 * f.k_block
+        gs = 3 * f.tile_k
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
     G = n_groups(normalize_group_size(gs, K, fmt), K)
     scales = torch.randn(M, G, generator=gen) * torch.logspace(-20, 20, G)
@@ -539,7 +538,7 @@ def test_pack_unpack_round_trip(gen, form, M, K, gs):
     assert info["tiles"] == tiles
     assert info["group_size"] == normalize_group_size(gs, K, fmt) and info["n_groups"] == G
     assert info["M_pad"] % 16 == 0 and M <= info["M_pad"] < M + 16
-    assert info["K_pad"] % f.k_block == 0 and K <= info["K_pad"] < K + f.k_block
+    assert info["K_pad"] % f.tile_k == 0 and K <= info["K_pad"] < K + f.tile_k
     # A strided (non-contiguous) code matrix packs the same.
     wide = torch.zeros(M, 2 * K, dtype=torch.uint8)
     wide[:, ::2] = codes
@@ -587,19 +586,3 @@ def test_ternary_code_3_rejected():
         ops.pack(codes, torch.ones(16, 1), "ternary")
     with pytest.raises(RuntimeError, match="code out of range"):
         torch.ops.ulb.pack(codes, torch.ones(16, 1), get_format("ternary").id, 0)
-
-
-class _FormatInfo(ctypes.Structure):
-    _fields_ = [("bits", ctypes.c_int), ("level_a", ctypes.c_int), ("level_b", ctypes.c_int),
-                ("max_code", ctypes.c_int), ("name", ctypes.c_char_p)]
-
-
-def test_python_format_table_matches_c():
-    lib = runtime._lib
-    lib.ulb_format_get.restype = ctypes.POINTER(_FormatInfo)
-    lib.ulb_format_get.argtypes = [ctypes.c_int]
-    for f in ulbtorch.FORMATS.values():
-        c = lib.ulb_format_get(f.id).contents
-        assert (c.bits, c.level_a, c.level_b, c.max_code, c.name.decode()) == (
-            f.bits, f.level_a, f.level_b, f.max_code, f.name)
-    assert not lib.ulb_format_get(0) and not lib.ulb_format_get(max(FORMATS_BY_ID) + 1)

@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 import ulbtorch
 from ulbtorch import ops
 from ulbtorch.formats import get_format, n_groups
-from ulbtorch.nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary, LowBitLinear
+from ulbtorch.nn import (MODULE_FOR_FORMAT, Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary,
+                         LowBitLinear)
 from ulbtorch import quantizers
 from ulbtorch.quantizers import _MSE_RATIOS, quantize_weight
 
-CLASS_FORMATS = [(Linear2Bit, "int2_sym"), (Linear2Bit, "int2"), (LinearTernary, "ternary"),
-                 (Linear1Bit, "binary"), (Linear4Bit, "int4"), (Linear8Bit, "int8")]
+CLASS_FORMATS = [(cls, fmt) for fmt, cls in MODULE_FOR_FORMAT.items()]  # every row of the format table
 CF_IDS = [f for _, f in CLASS_FORMATS]
 SCALINGS = [("channel", 0), ("group", 32), ("group", 64), ("tensor", 0)]
 SC_IDS = [f"{g}{gs or ''}" for g, gs in SCALINGS]

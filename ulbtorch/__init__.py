@@ -1,5 +1,5 @@
 """ulbtorch: 1-bit, ternary and 2-bit weights at memory speed on CPUs."""
-from . import hugepages, ops, runtime
+from . import _registrations, hugepages, ops, reference, runtime  # noqa: F401  (_registrations: on import)
 from .formats import FORMATS, get_format
 from .nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary, LowBitLinear, bf16_gemv_
 from .quantize import QuantConfig, quantize_
@@ -22,6 +22,6 @@ def __getattr__(name):
         return UlbConfig
     raise AttributeError(f"module 'ulbtorch' has no attribute {name!r}")
 
-__all__ = ["hugepages", "ops", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "Linear4Bit", "Linear8Bit", "LinearTernary",
+__all__ = ["hugepages", "ops", "reference", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "Linear4Bit", "Linear8Bit", "LinearTernary",
            "LowBitLinear", "LinearBF16", "QuantConfig", "quantize_", "bf16_gemv_", "save_quantized",
            "load_quantized"]

@@ -1,8 +1,10 @@
-"""Weight formats: names, bit widths and the affine map from code to level.
+"""Weight formats: the format table of the kernel library, read at import.
 
 A code q (unsigned, `bits` wide) stands for the integer level a*q + b; the
-weight is scale * level. This table mirrors kernels/src/format.c; the C side
-is the authority and the tests check the two agree.
+weight is scale * level. The table lives in kernels/src/format.c (the
+kernels need it); every Python view of it (FORMATS, the `bits` spellings
+quantize_ takes, the nn classes' formats) is built here from its rows.
+docs/formats.md describes the fields and how to add a format.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import operator
 from dataclasses import dataclass
 
 import torch
+
+from ._lib import FORMAT_ROWS, TILE_ORDERS
 
 
 @dataclass(frozen=True)
@@ -20,11 +24,12 @@ class Format:
     level_a: int
     level_b: int
     max_code: int
-
-    @property
-    def k_block(self) -> int:
-        """Input columns per packed tile: group sizes are multiples of it."""
-        return 32 // self.bits
+    tile_k: int  # input columns per packed tile: K pads to a multiple, group sizes are multiples
+    tiles: tuple[str, ...]  # the tile orders (ops.TILE_ORDERS) it may be packed in
+    aliases: tuple[str, ...]  # the spellings of quantize_'s `bits` that choose it
+    bits_name: str  # the `bits` a config of this format reports
+    module: str  # the ulbtorch.nn class that holds it
+    module_default: bool  # whether that class builds it when no format is named
 
     @property
     def levels(self) -> torch.Tensor:
@@ -35,18 +40,56 @@ class Format:
         return self.level_a * codes.to(torch.int32) + self.level_b
 
 
+def _split(names: bytes) -> tuple[str, ...]:
+    return tuple(n for n in names.decode().split(",") if n)
+
+
 FORMATS = {
-    f.name: f
-    for f in (
-        Format("int2", 1, 2, 1, -2, 3),       # {-2, -1, 0, 1}
-        Format("int2_sym", 2, 2, 2, -3, 3),   # {-3, -1, 1, 3} = 2 x {-1.5, -0.5, 0.5, 1.5}
-        Format("ternary", 3, 2, 1, -1, 2),    # {-1, 0, 1}
-        Format("binary", 4, 1, 2, -1, 1),     # {-1, 1}
-        Format("int8", 5, 8, 1, -127, 254),   # -127..127: for layers kept near full precision (lm_head)
-        Format("int4", 6, 4, 1, -8, 15),      # -8..7, as llama.cpp's Q4_0
-    )
+    row.name.decode(): Format(row.name.decode(), row.id, row.bits, row.level_a, row.level_b, row.max_code,
+                              row.tile_k, tuple(t for i, t in enumerate(TILE_ORDERS) if row.tiles >> i & 1),
+                              _split(row.aliases), row.bits_name.decode(), row.module.decode(),
+                              bool(row.module_default))
+    for row in FORMAT_ROWS
 }
 FORMATS_BY_ID = {f.id: f for f in FORMATS.values()}
+
+
+def bits_value(spelling: str) -> int | float | str:
+    """A `bits` spelling of the table as quantize_ takes it: "2" -> 2,
+    "1.58" -> 1.58, "ternary" -> "ternary"."""
+    for kind in (int, float):
+        try:
+            return kind(spelling)
+        except ValueError:
+            pass
+    return spelling
+
+
+# quantize_'s `bits` values and the format each chooses: 2 -> "int2_sym", ...
+FORMAT_FOR_BITS = {bits_value(a): f.name for f in FORMATS.values() for a in f.aliases}
+
+
+def describe_bits(choices) -> str:
+    """The `bits` values among `choices` (keys of FORMAT_FOR_BITS), for an
+    error message: "1, 'ternary'/1.58, 2, 4 or 8", narrowest first, the
+    spellings of one format joined by a slash."""
+    by_format: dict[str, list] = {}
+    for bits in (b for b in FORMAT_FOR_BITS if b in choices):  # the table's order
+        by_format.setdefault(FORMAT_FOR_BITS[bits], []).append(bits)
+
+    def width(values):
+        return min(v for v in values if not isinstance(v, str))
+
+    words = ["/".join(repr(v) if isinstance(v, str) else str(v) for v in values)
+             for values in sorted(by_format.values(), key=width)]
+    return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+
+
+def module_formats(module: str) -> tuple[str, ...]:
+    """The formats the nn class named `module` holds, the one it builds by
+    default first."""
+    rows = [f for f in FORMATS.values() if f.module == module]
+    return tuple(f.name for f in sorted(rows, key=lambda f: not f.module_default))
 
 
 def get_format(name: str | Format) -> Format:
@@ -71,8 +114,8 @@ def int_arg(value, what: str, accepted: str = "an int") -> int:
 
 def normalize_group_size(group_size: int | None, in_features: int, format: str | Format) -> int:
     """0 (or None) means one group per row; otherwise a multiple of the
-    format's tile width (16 for 2-bit and ternary, 32 for 1-bit, 8 for int4, 4
-    for int8); a group as wide as the row or wider is one group per row."""
+    format's tile_k (32 / bits); a group as wide as the row or wider is one
+    group per row."""
     if group_size is None:
         return 0
     group_size = int_arg(group_size, "group_size", "an int or None")
@@ -80,7 +123,7 @@ def normalize_group_size(group_size: int | None, in_features: int, format: str |
         raise ValueError(f"group_size must be 0 (one scale per output channel) or positive, got {group_size}")
     if group_size == 0 or group_size >= in_features:
         return 0
-    block = get_format(format).k_block
+    block = get_format(format).tile_k
     if group_size % block:
         raise ValueError(f"group_size must be a positive multiple of {block} for format "
                          f"{get_format(format).name!r}, got {group_size}")

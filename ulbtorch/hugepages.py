@@ -2,11 +2,9 @@
 
 A one-token GEMV reads every byte of its weights once, in order. With 4 KiB
 pages that stream takes a TLB miss every 4 KiB, and under a hypervisor each
-miss is a two-level page walk: on the Xeon VM of benchmarks/results/xeon_amx
-the cold GEMV ran 1.14-1.38x faster from 2 MiB pages and a plain read
-1.1-1.6x (benchmarks/hugepages.py, both placements timed in turn); decode of
-falcon3-1b gained 1.02-1.05x (bf16, all weights moved, 1.12x). PyTorch's
-allocator gives huge pages only to tensors of 2 MiB and more, and only with
+miss is a two-level page walk, so 2 MiB pages speed the stream up
+(benchmarks/hugepages.py times both placements). PyTorch's allocator gives
+huge pages only to tensors of 2 MiB and more, and only with
 THP_MEM_ALLOC_ENABLE=1; most packed matrices are smaller.
 
 So move_to_hugepages copies the packed weights of a model (and the bf16 weights

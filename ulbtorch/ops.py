@@ -1,25 +1,22 @@
-"""Python face of torch.ops.ulb: argument checks with clear errors, fake
-(meta) implementations for torch.compile, and the pure-PyTorch reference
-that defines what every kernel computes."""
+"""Python face of torch.ops.ulb: the wrappers users call (pack, linear,
+...), which check their arguments with clear errors before the dispatcher,
+and ulb.dequantize_packed. The pure-PyTorch reference (dequantize,
+reference_linear, ...) lives in ulbtorch.reference and is exported here;
+the ops' fake, vmap and autocast rules in ulbtorch._registrations."""
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.ulb.*)
+from ._lib import CONSTANTS, TILE_ORDERS, lib as _lib
 from .formats import FORMATS_BY_ID, Format, get_format, int_arg, n_groups, normalize_group_size
+from .reference import dequantize, fake_quantize_activations, quantize_activations, reference_linear
+
+__all__ = ["pack", "unpack", "retile", "preferred_tiles", "packed_info", "packed_nbytes", "shape_limits",
+           "check_shape", "linear", "linear_many", "linear_bf16", "dequantize_packed", "TILE_ORDERS",
+           "dequantize", "fake_quantize_activations", "quantize_activations", "reference_linear"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _check_same_device(op: str, x: torch.Tensor, **others) -> None:
-    # A meta tensor among CPU ones sends the call here rather than to the
-    # kernel: without this check it would return uninitialised memory.
-    for name, t in others.items():
-        if t is not None and t.device != x.device:
-            raise ValueError(f"ulb.{op}: input is on {x.device} but the {name.replace('_', ' ')} is on {t.device}")
 
 
 def _dtype_names(dtypes: tuple) -> str:
@@ -55,97 +52,6 @@ def _check_no_grad(op: str, **tensors) -> None:
                                    "call it under torch.no_grad(), or use the nn modules (Linear2Bit, ...), "
                                    "which have one")
 
-
-def _check_fake_input(op: str, x: torch.Tensor, dtypes: tuple) -> None:
-    # What the real op refuses, refused while tracing too.
-    if x.dtype not in dtypes:
-        raise RuntimeError(f"ulb.{op}: input must be {_dtype_names(dtypes)}, got {x.dtype}")
-    if x.dim() < 1:
-        raise RuntimeError(f"ulb.{op}: input must have at least 1 dim")
-
-
-@torch.library.register_fake("ulb::linear")
-def _linear_fake(x, packed, bias, out_features):
-    _check_same_device("linear", x, packed_weight=packed, bias=bias)
-    _check_fake_input("linear", x, _ACT_DTYPES)
-    _check_packed(packed)
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@torch.library.register_fake("ulb::linear_many")
-def _linear_many_fake(x, packed, bias, out_features):
-    if not packed or len(x) != len(packed) or len(bias) not in (0, len(packed)):
-        raise RuntimeError(f"ulb.linear_many: {len(x)} inputs, {len(packed)} packed weights and {len(bias)} "
-                           "biases (give one input and weight a layer, and no bias or one a layer)")
-    for i, (xi, pi) in enumerate(zip(x, packed)):
-        _check_same_device(f"linear_many, layer {i}", xi, packed_weight=pi, bias=bias[i] if bias else None)
-        _check_fake_input(f"linear_many, layer {i}", xi, _ACT_DTYPES)
-        _check_packed(pi)
-    if len({xi.dtype for xi in x}) > 1:
-        raise RuntimeError("ulb.linear_many: the inputs differ in dtype")
-    rows = sum(xi.numel() // xi.shape[-1] if xi.shape[-1] else 0 for xi in x)
-    return x[0].new_empty((rows, out_features))
-
-
-@torch.library.register_vmap("ulb::linear")
-def _linear_vmap(info, in_dims, x, packed, bias, out_features):
-    # The op takes any leading dims: a batched input is one call. A batched
-    # weight or bias (rare) is one call per member.
-    x_dim, packed_dim, bias_dim, _ = in_dims
-    if x.dim() - (x_dim is not None) < 1:  # as the op refuses a 0-dim input outside vmap
-        raise RuntimeError("ulb.linear: input must have at least 1 dim (the in_features), got a 0-dim input "
-                           "per vmap sample")
-    if packed_dim is None and bias_dim is None:
-        x = x if x_dim is not None else x.expand(info.batch_size, *x.shape)
-        return torch.ops.ulb.linear(x.movedim(x_dim or 0, 0), packed, bias, out_features), 0
-
-    def member(t, dim, i):
-        return t if dim is None else t.select(dim, i)
-
-    return torch.stack([torch.ops.ulb.linear(member(x, x_dim, i), member(packed, packed_dim, i),
-                                             member(bias, bias_dim, i), out_features)
-                        for i in range(info.batch_size)]), 0
-
-
-# Under torch.autocast on CPU nn.Linear computes in the autocast dtype and
-# returns it; so does ulb.linear. torch.library.register_autocast casts to
-# one dtype fixed at registration, so the rule is registered as it does (a
-# kernel for the dispatcher, the same function for tracing), reading the
-# dtype per call: bf16 inputs go to the kernel as they are; fp16, which the
-# kernels do not take, is rounded to fp16 and runs through fp32, as an fp16
-# input to the modules does.
-_AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
-_linear_default = torch.ops.ulb.linear.default
-
-
-def _linear_autocast(x, packed, bias, out_features):
-    dt = torch.get_autocast_dtype("cpu")
-    run = torch.float32 if dt == torch.float16 else dt
-
-    def cast(t):  # as autocast casts: floating point but float64 (others meet the op's checks)
-        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-        return t.to(dt).to(run) if eligible else t
-
-    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST_CPU)):
-        y = _linear_default(cast(x), packed, cast(bias), out_features)
-    return y.to(dt) if run != dt else y
-
-
-_linear_default.py_impl(_AUTOCAST_CPU)(_linear_autocast)
-_autocast_lib = torch.library.Library("ulb", "FRAGMENT")
-_autocast_lib.impl("linear", lambda _keys, *args: _linear_autocast(*args), "AutocastCPU", with_keyset=True)
-
-
-@torch.library.register_fake("ulb::linear_bf16")
-def _linear_bf16_fake(x, weight, bias):
-    _check_same_device("linear_bf16", x, weight=weight, bias=bias)
-    _check_fake_input("linear_bf16", x, (torch.bfloat16,))
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise RuntimeError(f"ulb.linear_bf16: weight must be a 2-D bfloat16 tensor with {x.shape[-1]} columns, "
-                           f"got {weight.dtype} of shape {tuple(weight.shape)}")
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 def _check_packed(packed: torch.Tensor) -> None:
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
         raise TypeError(
@@ -154,18 +60,13 @@ def _check_packed(packed: torch.Tensor) -> None:
         )
 
 
-# How the codes of a tile are arranged (ulb_tiles in kernels/include/ulb/ulb.h):
-# "vnni" for every format; "lanes" for 1-bit formats, which the AVX2 lookup
-# kernel reads 1.3-1.8x faster. Every ISA runs blobs of either order.
-TILE_ORDERS = ("vnni", "lanes")
-
-
 def _tiles_arg(tiles: str | None, fmt: Format, what: str) -> int:
     """The ops' tile-order argument for `tiles` on format fmt (-1: preferred)."""
     if tiles is not None and tiles not in TILE_ORDERS:
         raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
-    if tiles == "lanes" and fmt.bits != 1:
-        raise ValueError(f"the lanes tile order is for 1-bit formats; {what}")
+    if tiles is not None and tiles not in fmt.tiles:
+        widths = "/".join(sorted({f"{f.bits}-bit" for f in FORMATS_BY_ID.values() if tiles in f.tiles}))
+        raise ValueError(f"the {tiles} tile order is for {widths} formats; {what}")
     return -1 if tiles is None else TILE_ORDERS.index(tiles)
 
 
@@ -215,20 +116,13 @@ def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:
 
 def preferred_tiles(format: str | Format) -> str:
     """The tile order ops.pack picks for `format` under the active ISA."""
-    from .runtime import _lib
-
     return TILE_ORDERS[_lib.ulb_tiles_preferred(get_format(format).id)]
 
 
-@functools.cache  # constants of the kernel library
 def shape_limits() -> tuple[int, int]:
     """(largest out_features, largest in_features) a packed weight holds:
     2^26 and 2^16; up to 2^16 inputs every kernel's int32 sums stay exact."""
-    from .runtime import _lib
-
-    m, k = ctypes.c_int64(), ctypes.c_int64()
-    _lib.ulb_shape_limits(ctypes.byref(m), ctypes.byref(k))
-    return m.value, k.value
+    return CONSTANTS.max_m, CONSTANTS.max_k
 
 
 def check_shape(out_features, in_features) -> None:
@@ -245,8 +139,6 @@ def check_shape(out_features, in_features) -> None:
 
 def packed_nbytes(format: str | Format, out_features: int, in_features: int, group_size: int = 0) -> int:
     """Size of the blob ulb.pack makes for these parameters."""
-    from .runtime import _lib
-
     fmt = get_format(format)
     check_shape(out_features, in_features)
     n = _lib.ulb_packed_nbytes(fmt.id, out_features, in_features,
@@ -303,46 +195,6 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.ulb.linear_bf16(x, weight, bias)
 
 
-# ---- pure-PyTorch reference -------------------------------------------------
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token absmax int8 (BitNet's rule, fp32): returns (q as float, scale)
-    with x ~= q * scale; bit-identical to the kernels' quantiser."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-    # A real division: `127.0 / tensor` would round twice (reciprocal, then
-    # multiply) and differ from the kernels' 127.0f / amax in the last bit.
-    inv = torch.full_like(amax, 127.0) / amax
-    q = (xf * inv).round().clamp(-128, 127)
-    return q, 1.0 / inv
-
-
-def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    q, s = quantize_activations(x)
-    return q * s
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_size: int = 0
-               ) -> torch.Tensor:
-    """Float32 weight [M, K] that the kernels multiply by."""
-    fmt = get_format(format)
-    if codes.dim() != 2 or scales.dim() != 2:
-        raise ValueError(f"codes must be [out_features, in_features] and scales [out_features, groups], got "
-                         f"shapes {tuple(codes.shape)} and {tuple(scales.shape)}")
-    M, K = codes.shape
-    gs = normalize_group_size(group_size, K, fmt)
-    if tuple(scales.shape) != (M, n_groups(gs, K)):
-        raise ValueError(f"scales must have shape ({M}, {n_groups(gs, K)}) for codes of shape ({M}, {K}) and "
-                         f"group_size={group_size}, got {tuple(scales.shape)}")
-    gs = gs or K
-    levels = fmt.codes_to_levels(codes).to(torch.float32)
-    # Each column's group by index, not repeat_interleave(gs)[:, :K]: inductor
-    # compiled that cut wrongly where the last group is partial (its columns
-    # read past the scales; torch 2.13).
-    s = scales.to(torch.float32)[:, torch.arange(K, device=scales.device) // gs]
-    return levels * s
-
-
 @torch.library.custom_op("ulb::dequantize_packed", mutates_args=())
 def dequantize_packed(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """dequantize() of a packed weight whose shape the caller knows: one op
@@ -355,58 +207,3 @@ def dequantize_packed(packed: torch.Tensor, out_features: int, in_features: int)
                          f"not {out_features}x{in_features}")
     codes, scales = unpack(packed)
     return dequantize(codes, scales, info["format"], info["group_size"]).to(packed.device)
-
-
-@dequantize_packed.register_fake
-def _dequantize_packed_fake(packed, out_features, in_features):
-    return packed.new_empty((out_features, in_features), dtype=torch.float32)
-
-
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the kernels compute, in plain PyTorch: int8-quantised activations
-    times the dequantised weight, output in the input's dtype."""
-    y = torch.nn.functional.linear(fake_quantize_activations(x), weight.float(),
-                                   None if bias is None else bias.float())
-    return y.to(x.dtype)
-
-
-# ---- fake impls of the utility ops (torch.compile / opcheck) -------------------
-# Shapes that live in the blob's header are data-dependent sizes.
-
-@torch.library.register_fake("ulb::pack")
-def _pack_fake(codes, scales, format, group_size, tiles=-1):
-    _check_same_device("pack", codes, scales=scales)
-    M, K = (int(d) for d in codes.shape)  # the blob's size is a function of them: specialise
-    return codes.new_empty((packed_nbytes(FORMATS_BY_ID[format], M, K, group_size),),
-                           dtype=torch.uint8)
-
-
-@torch.library.register_fake("ulb::retile")
-def _retile_fake(packed, tiles=-1):
-    return torch.empty_like(packed)
-
-
-@torch.library.register_fake("ulb::unpack")
-def _unpack_fake(packed):
-    ctx = torch.library.get_ctx()
-    M, K, G = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    return packed.new_empty((M, K), dtype=torch.uint8), packed.new_empty((M, G), dtype=torch.float32)
-
-
-@torch.library.register_fake("ulb::packed_info")
-def _packed_info_fake(packed):
-    return packed.new_empty((8,), dtype=torch.int64)
-
-
-@torch.library.register_fake("ulb::quantize_act")
-def _quantize_act_fake(x, packed):
-    ctx = torch.library.get_ctx()
-    N, K_pad, G = x.shape[0], ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    return (x.new_empty((N, K_pad), dtype=torch.int8), x.new_empty((N,), dtype=torch.float32),
-            x.new_empty((N, G), dtype=torch.int32))
-
-
-@torch.library.register_fake("ulb::int_dots")
-def _int_dots_fake(packed, xq, xsum):
-    M = torch.library.get_ctx().new_dynamic_size()
-    return xq.new_empty((xq.shape[0], M, xsum.shape[1]), dtype=torch.int32)

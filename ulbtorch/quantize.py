@@ -9,23 +9,22 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from torch import nn
 
 from .finish import finish_conversion
-from .formats import FORMATS
+from .formats import FORMAT_FOR_BITS, FORMATS, bits_value, describe_bits
 from .integrations.hf_experts import expert_linears, fused_weight_names, is_fused_experts, pack_experts, router_names
 from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear
 from .nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from .quantizers import GRANULARITIES, METHODS
 from .runtime import _check_bool
 
-_BITS_TO_FORMAT = {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
-                   "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 4: "int4", "4": "int4", 8: "int8",
-                   "8": "int8"}
-_FORMAT_TO_BITS = {"binary": 1, "ternary": "ternary", "int2_sym": 2, "int2": 2, "int4": 4, "int8": 8}
+# Each `bits` value, as a number and as a string (1 and "1"), and its format.
+_BITS_TO_FORMAT = {spelling: name for bits, name in FORMAT_FOR_BITS.items() for spelling in (bits, str(bits))}
+_FORMAT_TO_BITS = {f.name: bits_value(f.bits_name) for f in FORMATS.values()}
 LM_HEAD = ["lm_head", "*.lm_head"]
 
 
 def _format_for_bits(bits) -> str:
     if isinstance(bits, bool) or bits not in _BITS_TO_FORMAT:
-        raise ValueError(f"bits must be 1, 'ternary'/1.58, 2, 4 or 8, got {bits!r}")
+        raise ValueError(f"bits must be {describe_bits(FORMAT_FOR_BITS)}, got {bits!r}")
     return _BITS_TO_FORMAT[bits]
 
 
@@ -104,7 +103,7 @@ class QuantConfig:
             if self.selects("lm_head"):
                 raise ValueError(f"lm_head_bits={self.lm_head_bits!r} is for an lm_head that include/exclude "
                                  f"leave out, but they select it (include={self.include}, exclude={self.exclude})")
-        block = FORMATS[self.format].k_block
+        block = FORMATS[self.format].tile_k
         if self.group_size and self.group_size % block:
             raise ValueError(f"group_size must be 0 or a multiple of {block} for {self.format!r}, "
                              f"got {self.group_size}")

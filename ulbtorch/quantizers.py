@@ -14,10 +14,9 @@ Scale choice per row / group / tensor:
                                           MSE-optimal scale for binary weights)
   "mse"     : s minimising the squared error over a grid of clipping ratios
               (default for 2-bit and per-channel/group ternary)
-int8 and int4 default to absmax, as llama.cpp's Q8_0 and Q4_0 do: on
-SmolLM2-135M (examples/walkthrough.py) the mse search, which clips outliers,
-cost int4 weights perplexity (28.7 against 28.2 in groups of 32, 35.1
-against 31.4 in groups of 128, 63 against 47 per row).
+int8 and int4 default to absmax, as llama.cpp's Q8_0 and Q4_0 do: the mse
+search clips outliers, which costs int4 weights more perplexity than the
+rounding error it saves (examples/walkthrough.py measures it).
 """
 from __future__ import annotations
 

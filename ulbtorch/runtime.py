@@ -1,57 +1,18 @@
 """Runtime controls of the kernel library: ISA and kernel choice, the
-thread scheduler's performance table, and the modules' eager fast path.
-Plain C functions of ulbtorch._C, reached with ctypes because they move no
-tensors."""
+thread pool and the scheduler's performance table, prefetch distances, and
+the modules' eager fast path. They call the library's plain C functions
+(ulbtorch._lib); the ULB_* environment variables are read in ulbtorch._env."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import warnings
 
-from . import _C
+from . import _C, _env
+from ._lib import CONSTANTS, FORMAT_ROWS, ISAS, TILE_ORDERS, SchedStats, lib as _lib
 
-_lib = ctypes.CDLL(_C.__file__)
-_MAX_THREADS = 64
-_SLOWDOWN_MAX = 1000.0  # ULB_SLOWDOWN_MAX
-ISAS = ("scalar", "avx2", "avx512", "avxvnni", "portable", "amx")  # ulb_isa in kernels/include/ulb/ulb.h
-
-
-class _SchedStats(ctypes.Structure):
-    _fields_ = [
-        ("nthreads", ctypes.c_int),
-        ("calls", ctypes.c_int64),
-        ("ratio", ctypes.c_double * _MAX_THREADS),
-        ("last_us", ctypes.c_double * _MAX_THREADS),
-        ("last_panels", ctypes.c_int64 * _MAX_THREADS),
-    ]
-
-
-_lib.ulb_packed_nbytes.restype = ctypes.c_int64
-_lib.ulb_packed_nbytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-_lib.ulb_shape_limits.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
-_lib.ulb_spin_us.restype = ctypes.c_double
-_lib.ulb_spin_us.argtypes = [ctypes.POINTER(ctypes.c_int)]
-_lib.ulb_isa_active.restype = ctypes.c_int
-_lib.ulb_isa_supported.argtypes = [ctypes.c_int]
-_lib.ulb_tiles_preferred.argtypes = [ctypes.c_int]
-_lib.ulb_isa_set.argtypes = [ctypes.c_int]
-_lib.ulb_lut1_set.argtypes = [ctypes.c_int]
-_lib.ulb_lut1_serves.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-_lib.ulb_lut1_available.argtypes = [ctypes.c_int]
-_lib.ulb_prefetch_get.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-_lib.ulb_prefetch_set.argtypes = [ctypes.c_int, ctypes.c_int64]
-_lib.ulb_prefetch_resolve.restype = ctypes.c_int64
-_lib.ulb_prefetch_resolve.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-_lib.ulb_sched_stats_get.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_SchedStats)]
-_lib.ulb_sched_set_static.argtypes = [ctypes.c_int]
-_lib.ulb_sched_set_slowdown.argtypes = [ctypes.c_int, ctypes.c_double]
-
-
-_lib.ulb_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
-_lib.ulb_read_probe_streams.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                                        ctypes.POINTER(ctypes.c_uint64)]
-PROBE_MAX_STREAMS = 8  # ULB_PROBE_MAX_STREAMS
+_MAX_THREADS = CONSTANTS.max_threads
+_SLOWDOWN_MAX = CONSTANTS.slowdown_max
+PROBE_MAX_STREAMS = CONSTANTS.probe_max_streams
 
 
 def _is_int(v) -> bool:
@@ -150,46 +111,6 @@ _BF16_GEMV_ISAS = ("avx2", "avx512", "avxvnni", "amx")
 bf16_gemv_native = get_isa() in _BF16_GEMV_ISAS
 
 
-def _check_isa_env() -> None:
-    want = os.environ.get("ULB_ISA")
-    if want is not None and want != get_isa():
-        why = "not supported by this CPU" if want in ISAS else f"not one of {ISAS}"
-        warnings.warn(f"ULB_ISA={want!r} is {why}; the kernels use {get_isa()!r}", RuntimeWarning, stacklevel=2)
-
-
-_check_isa_env()
-
-
-def _check_switch_env() -> None:
-    """The switches read at load: ULB_EAGER (here) turns off on "0" alone,
-    ULB_LUT1 (by the kernels) takes 0, 1 or auto and anything else as auto;
-    say so of other values. ULB_LUT1=1 where no lookup kernel runs is taken
-    as auto too, so that the setting always names one set_lut1 accepts."""
-    value = os.environ.get("ULB_EAGER")
-    if value is not None and value not in ("0", "1"):
-        warnings.warn(f"ULB_EAGER={value!r} is not '0' or '1'; taken as '1' (on)", RuntimeWarning, stacklevel=2)
-    value = os.environ.get("ULB_LUT1")
-    if value is not None and value not in ("0", "1", "auto"):
-        warnings.warn(f"ULB_LUT1={value!r} is not '0', '1' or 'auto'; taken as 'auto'", RuntimeWarning, stacklevel=2)
-    if value == "1" and not lut1_available():
-        warnings.warn("ULB_LUT1=1, but no 1-bit lookup-table kernel runs on this CPU (they need AVX2); taken as "
-                      "'auto'", RuntimeWarning, stacklevel=2)
-        _lib.ulb_lut1_set(_LUT1_MODES["auto"])
-
-
-def _check_spin_env() -> None:
-    """ULB_SPIN_US, read by the kernels' pool (ulb_spin_us): say so of a
-    value it does not accept."""
-    accepted = ctypes.c_int(1)
-    spin = _lib.ulb_spin_us(ctypes.byref(accepted))
-    if not accepted.value:
-        warnings.warn(f"ULB_SPIN_US={os.environ.get('ULB_SPIN_US')!r} is not a number of microseconds from 0 to "
-                      f"1e6; the ulb pool's workers spin the default {spin:g}", RuntimeWarning, stacklevel=2)
-
-
-_check_spin_env()
-
-
 @contextlib.contextmanager
 def _setting(get, set_, value):
     """set_(value) for the enclosed calls, then back to get()'s value.
@@ -219,7 +140,7 @@ def lut1_available(isa: str | None = None) -> bool:
     return any(_lib.ulb_lut1_available(_isa_index(n)) for n in names)
 
 
-_LUT1_MODES = {False: 0, True: 1, "auto": -1}  # ULB_LUT1_OFF, _ON, _AUTO
+_LUT1_MODES = {False: CONSTANTS.lut1_off, True: CONSTANTS.lut1_on, "auto": CONSTANTS.lut1_auto}
 
 
 def lut1_setting() -> bool | str:
@@ -238,14 +159,12 @@ def lut1_enabled() -> bool:
 def set_lut1(on: bool | str) -> None:
     """The 1-bit lookup-table kernels (after T-MAC). "auto", the default,
     takes them where they pay; True wherever one can run; False never (the
-    masking kernels serve). Under AVX2, over "lanes" tiles (the default
-    there), for calls of up to 4 tokens on any thread count: 1.8x faster in
-    cache, 1.3-1.4x from DRAM for one token, 2.7-3.2x for four ("auto": on).
-    Under AVX-512 VBMI, over "vnni" tiles, one token on one thread: 1.26x in
-    cache; from DRAM 0.90-1.07x on a Xeon VM and 0.74-0.99x on Zen 5, where
-    the masking kernel outruns one core's stream ("auto": on Intel and Zen 4
-    only; benchmarks/README.md). ULB_LUT1=0|1|auto in the environment sets it
-    at load."""
+    masking kernels serve). "auto" takes them under AVX2 over "lanes" tiles
+    (the default there) for calls of up to 4 tokens, and under AVX-512 VBMI
+    over "vnni" tiles for one token on one thread on Intel and Zen 4 only:
+    on Zen 5 the masking kernel outruns one core's stream from DRAM
+    (benchmarks/results). ULB_LUT1=0|1|auto in the environment sets it at
+    load."""
     if not (isinstance(on, bool) or on == "auto"):
         raise TypeError(f"set_lut1 takes True, False or 'auto', got {on!r}")
     if on is True and not lut1_available():
@@ -262,7 +181,6 @@ def lut1_serves(tiles: str, tokens: int, threads: int, isa: str | None = None) -
     """Whether a 1-bit call of `tokens` tokens on `threads` threads over
     `tiles` ("vnni" or "lanes") takes a lookup-table kernel under `isa`
     (None: the active one), as the setting stands."""
-    from .ops import TILE_ORDERS
     if tiles not in TILE_ORDERS:
         raise ValueError(f"unknown tile order {tiles!r}; choose from {TILE_ORDERS}")
     if not (_is_int(tokens) and tokens >= 0):
@@ -271,8 +189,6 @@ def lut1_serves(tiles: str, tokens: int, threads: int, isa: str | None = None) -
     index = _lib.ulb_isa_active() if isa is None else _isa_index(isa)
     return bool(_lib.ulb_lut1_serves(TILE_ORDERS.index(tiles), min(tokens, (1 << 63) - 1), threads, index))
 
-
-_check_switch_env()
 
 
 def _load_eager():
@@ -294,10 +210,9 @@ def _load_eager():
 _eager = _load_eager()
 _eager_linear = _eager.linear if _eager is not None else None
 _eager_module_call = None  # set by bind_module_call
-_eager_on = os.environ.get("ULB_EAGER", "1") != "0"
 # What the Linear*Bit modules call in eager mode before torch.ops.ulb.linear:
 # the op's kernel straight from CPython (csrc/eager.cpp), or None.
-eager_linear = _eager_linear if _eager_on else None
+eager_linear = _eager_linear if _env.eager_requested() else None
 # What their __call__ tries before nn.Module.__call__: the checks that
 # nn.Module.__call__ and forward make, in C, then eager_linear; or None.
 eager_module_call = None
@@ -328,10 +243,11 @@ def eager_fast_path() -> bool:
 
 def set_eager_fast_path(on: bool) -> None:
     """The modules' eager-mode call of the kernel from CPython, beside the op
-    (on by default where available; ULB_EAGER=0 turns it off at load). A
-    one-token call then costs ~1 us outside the kernel in cache (2-4 us
-    cold) instead of the op's 2.6 us (4-7 us); results are the op's bit for bit, and whatever it does not
-    serve (tracing, fake tensors, autograd, modes, bad input) goes to the op."""
+    (on by default where available; ULB_EAGER=0 turns it off at load). It
+    skips the dispatcher's per-call work, which is a large share of a
+    one-token call (benchmarks/op_overhead.py); results are the op's bit for
+    bit, and whatever it does not serve (tracing, fake tensors, autograd,
+    modes, bad input) goes to the op."""
     global eager_linear, eager_module_call
     _check_bool(on, "set_eager_fast_path")
     if on and _eager_linear is None:
@@ -345,9 +261,9 @@ def use_eager_fast_path(on: bool):
     return _setting(eager_fast_path, set_eager_fast_path, on)
 
 
-PREFETCH_WIDTHS = (1, 2, 4, 8)
-_PREFETCH_MAX = 1 << 20
-_PREFETCH_AUTO = -1
+PREFETCH_WIDTHS = tuple(sorted({row.bits for row in FORMAT_ROWS}))  # a setting per code width
+_PREFETCH_MAX = CONSTANTS.prefetch_max
+_PREFETCH_AUTO = CONSTANTS.prefetch_auto
 
 
 def _check_bits(bits, widths: tuple, what: str) -> None:
@@ -360,12 +276,12 @@ def prefetch_distance(bits: int):
     """How many bytes ahead of the codes it reads the kernel for `bits`-bit
     weights (1, 2, 4 or 8) prefetches into L2: an int (0 = none) or "auto",
     the default, which decides per call: 16 KiB for 1 bit; for 2, 4 and 8
-    bits 8 KiB on Intel (2-bit streams 1.3-1.5x faster on a Xeon with it)
-    and under the AVX2 kernels on any CPU (1.2-1.36x on a Zen 3); for 2 bits
-    8 KiB on AMD from Zen 5 on (1.02-1.19x there); elsewhere 8 KiB only
-    on one thread with groups of at most 40 KiB of codes per 64 rows, else
-    none (kernels/src/prefetch.c has the measurements). ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT,
-    _8BIT) in the environment sets it at load."""
+    bits 8 KiB on Intel and under the AVX2 kernels on any CPU; for 2 bits
+    8 KiB on AMD from Zen 5 on; elsewhere 8 KiB only on one thread with
+    groups of at most 40 KiB of codes per 64 rows, else none (the rule is
+    kernels/src/prefetch.c's; benchmarks/prefetch_ab.py measures it).
+    ULB_PREFETCH_2BIT=bytes|auto (likewise _1BIT, _4BIT, _8BIT) in the
+    environment sets it at load."""
     _check_bits(bits, PREFETCH_WIDTHS, "prefetch setting")
     d = ctypes.c_int64()
     _lib.ulb_prefetch_get(bits, ctypes.byref(d))
@@ -401,25 +317,8 @@ def use_prefetch_distance(bits: int, nbytes):
     return _setting(lambda: prefetch_distance(bits), lambda d: set_prefetch_distance(bits, d), nbytes)
 
 
-def _check_prefetch_env() -> None:
-    for bits in PREFETCH_WIDTHS:
-        want = os.environ.get(f"ULB_PREFETCH_{bits}BIT")
-        if not want:
-            continue
-        try:
-            parsed = "auto" if want == "auto" else int(want, 10)
-        except ValueError:
-            parsed = None
-        if parsed != prefetch_distance(bits):
-            warnings.warn(f"ULB_PREFETCH_{bits}BIT={want!r} ignored: not 'auto' or a multiple of 64 bytes from 0 "
-                          f"to {_PREFETCH_MAX}; the {bits}-bit kernels use {prefetch_distance(bits)!r}",
-                          RuntimeWarning, stacklevel=2)
-
-
-_check_prefetch_env()
-
-
-SCHEDULER_WIDTHS = (0, 1, 2, 4, 8, 16)  # family_base in kernels/src/sched.c, and 0 for read_probe
+# A table per code width (family_base in kernels/src/sched.c), 16 for the bf16 GEMV, 0 for read_probe.
+SCHEDULER_WIDTHS = (0, *PREFETCH_WIDTHS, 16)
 
 
 def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
@@ -430,7 +329,7 @@ def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:
     region) and last number of 64-row panels (64 KiB units for the probe).
     isa: None for get_isa()."""
     _check_bits(bits, SCHEDULER_WIDTHS, "scheduler table")
-    st = _SchedStats()
+    st = SchedStats()
     if _lib.ulb_sched_stats_get(bits, _isa_index(get_isa() if isa is None else isa), ctypes.byref(st)) != 0:
         raise RuntimeError(f"the kernels refused scheduler_stats(bits={bits}, isa={isa!r})")
     n = st.nthreads
@@ -457,3 +356,19 @@ def set_thread_slowdown(tid: int, factor: float) -> None:
                          f"{_MAX_THREADS - 1}, factor a finite number from 1 to {_SLOWDOWN_MAX:g}")
     if _lib.ulb_sched_set_slowdown(tid, float(factor)) != 0:
         raise RuntimeError(f"the kernels refused slowdown tid={tid} factor={factor}")
+
+
+def _check_switch_env() -> None:
+    """Warn of each ULB_* variable whose value the kernels did not take
+    (see _env), and leave ULB_LUT1=1 without a lookup kernel as "auto"."""
+    _env.check_isa(get_isa(), ISAS)
+    if _env.lut1_on_without_kernel(lut1_available()):
+        _lib.ulb_lut1_set(_LUT1_MODES["auto"])
+    accepted = ctypes.c_int(1)
+    spin = _lib.ulb_spin_us(ctypes.byref(accepted))
+    _env.check_spin(bool(accepted.value), spin)
+    for bits in PREFETCH_WIDTHS:
+        _env.check_prefetch(bits, prefetch_distance(bits), _PREFETCH_MAX)
+
+
+_check_switch_env()

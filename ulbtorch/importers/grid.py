@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..formats import FORMAT_FOR_BITS, FORMATS, describe_bits
 from ..nn import MODULE_FOR_FORMAT
 from ..nn.replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 from ..quantize import LM_HEAD, QuantConfig, run_conversion_hooks
 
-GRID_FORMATS = {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
+# The `bits` of the formats whose levels a grid weight can land on: up to 2-bit codes.
+GRID_FORMATS = {bits: name for bits, name in FORMAT_FOR_BITS.items() if FORMATS[name].bits <= 2}
 
 
 def _rounding_interval(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +45,7 @@ def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
     """(codes, scales [M,1], format) reproducing `weight` bit for bit after
     rounding the dequantised weight back to weight.dtype."""
     if bits not in GRID_FORMATS:
-        raise ValueError(f"bits must be 1, 'ternary' or 2, got {bits!r}")
+        raise ValueError(f"bits must be {describe_bits(GRID_FORMATS)}, got {bits!r}")
     fmt = GRID_FORMATS[bits]
     if weight.dim() != 2 or 0 in weight.shape:
         raise ValueError(f"{name}: a linear weight is 2-D [out_features, in_features] and not empty, got shape "

@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import ops, runtime
-from ..formats import get_format, int_arg, n_groups, normalize_group_size
+from ..formats import FORMATS, get_format, int_arg, module_formats, n_groups, normalize_group_size
 from ..quantizers import GRANULARITIES, quantize_weight
 
 
@@ -395,34 +395,34 @@ class LowBitLinear(nn.Module):
 class Linear2Bit(LowBitLinear):
     """2-bit weights: "int2_sym" levels {-1.5,-0.5,0.5,1.5} x scale (default) or
     "int2" levels {-2,-1,0,1} x scale."""
-    FORMATS = ("int2_sym", "int2")
+    FORMATS = module_formats("Linear2Bit")
 
 
 class LinearTernary(LowBitLinear):
     """Ternary {-1,0,1} x scale, 2 bits per weight. With one per-tensor scale
     and per-token int8 activations this is BitNet b1.58's forward exactly."""
-    FORMATS = ("ternary",)
+    FORMATS = module_formats("LinearTernary")
 
 
 class Linear1Bit(LowBitLinear):
     """Binary {-1,+1} x scale, 1 bit per weight."""
-    FORMATS = ("binary",)
+    FORMATS = module_formats("Linear1Bit")
 
 
 class Linear8Bit(LowBitLinear):
     """int8 weights, levels -127..127 x scale: for a layer kept near full
     precision at half the bytes of bf16, such as lm_head
     (quantize_(..., lm_head_bits=8))."""
-    FORMATS = ("int8",)
+    FORMATS = module_formats("Linear8Bit")
 
 
 class Linear4Bit(LowBitLinear):
     """int4 weights, levels -8..7 x scale, two per byte: a quarter of the
     bytes of bf16 (quantize_(..., bits=4), or lm_head_bits=4 for the head)."""
-    FORMATS = ("int4",)
+    FORMATS = module_formats("Linear4Bit")
 
 
-MODULE_FOR_FORMAT = {"int2_sym": Linear2Bit, "int2": Linear2Bit, "ternary": LinearTernary,
-                     "binary": Linear1Bit, "int4": Linear4Bit, "int8": Linear8Bit}
+_CLASSES = {cls.__name__: cls for cls in (Linear2Bit, LinearTernary, Linear1Bit, Linear8Bit, Linear4Bit)}
+MODULE_FOR_FORMAT = {f.name: _CLASSES[f.module] for f in FORMATS.values()}
 
 runtime.bind_module_call(LowBitLinear.forward)
