@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from ..nn.linear import _KERNEL_DTYPES, LowBitLinear, _tangents_possible
+from ..nn.fast_path import kernel_serves, records_grad, tangents_possible
+from ..nn.linear import plain_call
 
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 PACKED = "packed_"  # packed_gate_up_proj: the layers in place of gate_up_proj
@@ -128,37 +129,24 @@ def _float_expert(m: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Ten
     return nn.functional.linear(x, w[e].t() if m.is_transposed else w[e], b)
 
 
-def _plain_layer_call(layer: nn.Module) -> bool:
-    """Whether calling layer runs LowBitLinear's forward and nothing else: no
-    hooks of its own or global ones (accelerate's offload puts the weights
-    back in one), no forward replaced on the instance or in a subclass."""
-    return (isinstance(layer, LowBitLinear) and type(layer).forward is LowBitLinear.forward
-            and type(layer).__call__ is LowBitLinear.__call__ and "forward" not in layer.__dict__
-            and not layer._forward_hooks and not layer._forward_pre_hooks)
-
-
 def _one_call_serves(layers: list[nn.Module], xs: list[torch.Tensor]) -> bool:
     """Whether ulb.linear_many gives what calling each layer would: every
-    layer a plain call on its kernel, plain CPU input of one kernel dtype,
-    biases all or none and of one dtype, no autocast, and nothing for
-    autograd to record (the op has no derivative; the layers' calls do)."""
-    dtype = xs[0].dtype
-    if (dtype not in _KERNEL_DTYPES or torch.is_autocast_enabled("cpu") or _tangents_possible()
-            or _global_forward_hooks or _global_forward_pre_hooks):
+    call one that the kernel serves as it is (nn.fast_path.kernel_serves)
+    with nothing for autograd to record (the op has no derivative; the
+    layers' calls do), every layer a plain call (nn.linear.plain_call) and no
+    global hooks (accelerate's offload puts the weights back in one), no
+    autocast, and inputs and biases alike: plain CPU tensors of one dtype,
+    biases all or none."""
+    if (torch.is_autocast_enabled("cpu") or tangents_possible() or _global_forward_hooks
+            or _global_forward_pre_hooks or not all(plain_call(layer) for layer in layers)):
         return False
-    grad = torch.is_grad_enabled()
-    for x in xs:
-        if type(x) is not torch.Tensor or x.dtype != dtype or not x.is_cpu or (grad and x.requires_grad):
-            return False
-    if not all(_plain_layer_call(layer) and not layer.force_reference for layer in layers):
-        return False
-    first_bias = layers[0]._parameters["bias"]
-    for layer in layers:
+    dtype, first_bias = xs[0].dtype, layers[0]._parameters["bias"]
+    for layer, x in zip(layers, xs):
         bias = layer._parameters["bias"]
-        if (bias is None) != (first_bias is None) or not layer._buffers["packed"].is_cpu:
-            return False
-        if bias is not None and (bias.dtype != first_bias.dtype or bias.dtype not in _KERNEL_DTYPES
-                                 or not bias.is_cpu or (grad and bias.requires_grad)):
+        if (type(x) is not torch.Tensor or x.dtype != dtype or not kernel_serves(layer, x, bias)
+                or records_grad(x, bias) or not layer._buffers["packed"].is_cpu
+                or (bias is None) != (first_bias is None)
+                or (bias is not None and (bias.dtype != first_bias.dtype or not bias.is_cpu))):
             return False
     return True
 

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-from ..nn.bf16 import gemv_serves
+from ..nn.fast_path import gemv_serves
 from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import runtime
+from .fast_path import gemv_serves
 from .replace import is_plain_linear, module_names, name_selected, patterns, replace_everywhere
 
 _linear_bf16 = torch.ops.ulb.linear_bf16.default
@@ -34,18 +34,6 @@ class LinearBF16(nn.Linear):
         if gemv_serves(input, w, b):
             return _linear_bf16(input, w, b)
         return F.linear(input, w, b)
-
-
-def gemv_serves(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether F.linear(x, w, b) can run as ulbtorch's bf16 GEMV: one bf16
-    token of at least one feature, bf16 weight with contiguous, non-overlapping rows, both on the CPU, a vector ISA,
-    a bf16 bias or none (F.linear refuses any other, and the layer must give
-    what it gives), and no gradient to record (the op has no backward)."""
-    return (runtime.bf16_gemv_native and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and x.is_cpu and w.is_cpu and x.dim() and w.dim() == 2 and x.numel() == w.shape[1] == x.shape[-1] > 0
-            and w.stride(1) == 1 and w.stride(0) >= w.shape[1] and (b is None or b.dtype == torch.bfloat16)
-            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
-                                                  or (b is not None and b.requires_grad))))
 
 
 def bf16_gemv_(model: nn.Module, *, include: list[str] | None = None, exclude: list[str] | None = None

@@ -15,16 +15,12 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import ops, runtime
 from ..formats import FORMATS, get_format, int_arg, module_formats, n_groups, normalize_group_size
 from ..quantizers import GRANULARITIES, quantize_weight
+from .fast_path import kernel_serves, records_grad, tangents_possible
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ulb_linear = torch.ops.ulb.linear.default
 # torch.compile traces __call__: it must not meet the C call (a graph break).
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
-# Forward-mode AD (a dual level open) or a torch.func transform: the kernel
-# call alone would drop tangents.
-_forward_ad = torch.autograd.forward_ad
-_functorch_level = torch._C._functorch.maybe_current_level
 
 
 class _KernelLinear(torch.autograd.Function):
@@ -96,16 +92,10 @@ class _KernelLinearTangent(_KernelLinear):
         return y_t.to(ctx.x_dtype)
 
 
-def _tangents_possible() -> bool:
-    """A forward-mode AD level is open or a torch.func transform runs (not
-    while Dynamo traces: a compiled graph has neither)."""
-    return not _is_dynamo_compiling() and (_forward_ad._current_level >= 0 or _functorch_level() is not None)
-
-
 def _kernel_linear(layer, x, bias):
-    if _tangents_possible():
+    if tangents_possible():
         return _KernelLinearTangent.apply(x, bias, layer)
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+    if records_grad(x, bias):
         return _KernelLinear.apply(x, bias, layer)
     return _call_kernel(layer, x, bias)
 
@@ -279,8 +269,7 @@ class LowBitLinear(nn.Module):
             y = eager(x, self._buffers["packed"], bias, self.out_features)
             if y is not NotImplemented:
                 return y
-        if (x.dtype in _KERNEL_DTYPES and x.is_cpu and x.dim() and x.shape[-1] == self.in_features
-                and not self.force_reference and (bias is None or bias.dtype in _KERNEL_DTYPES)):
+        if kernel_serves(self, x, bias):
             return _kernel_linear(self, x, bias)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, "
@@ -313,7 +302,7 @@ class LowBitLinear(nn.Module):
 
     def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self._dequantized(x.device)
-        if _tangents_possible():
+        if tangents_possible():
             xq = _FakeQuantSTETangent.apply(x)
         else:
             xq = _FakeQuantSTE.apply(x) if torch.is_grad_enabled() else ops.fake_quantize_activations(x)
@@ -425,4 +414,14 @@ class Linear4Bit(LowBitLinear):
 _CLASSES = {cls.__name__: cls for cls in (Linear2Bit, LinearTernary, Linear1Bit, Linear8Bit, Linear4Bit)}
 MODULE_FOR_FORMAT = {f.name: _CLASSES[f.module] for f in FORMATS.values()}
 
+def plain_call(layer: nn.Module) -> bool:
+    """Whether calling layer runs LowBitLinear's forward and nothing else: no
+    hooks of its own (global ones are the caller's to check), no forward
+    replaced on the instance or in a subclass."""
+    return (isinstance(layer, LowBitLinear) and type(layer).forward is LowBitLinear.forward
+            and type(layer).__call__ is LowBitLinear.__call__ and "forward" not in layer.__dict__
+            and not layer._forward_hooks and not layer._forward_pre_hooks)
+
+
 runtime.bind_module_call(LowBitLinear.forward)
+
