@@ -267,8 +267,8 @@ def quantize_(model: nn.Module, config: QuantConfig | None = None, *, progress: 
     when none is given: quantize_(model, bits=2, group_size=128).
     hugepages (default True): then move the weights the kernels stream into
     2 MiB pages where Linux has transparent huge pages (ulbtorch.hugepages:
-    a cold GEMV reads them 1.15-1.35x faster on a VM); False leaves them
-    where PyTorch allocated them."""
+    fewer TLB misses on the weight stream); False leaves them where PyTorch
+    allocated them."""
     if config is None:
         config = QuantConfig(**kwargs)
     elif kwargs:

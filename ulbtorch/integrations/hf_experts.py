@@ -159,7 +159,7 @@ def _experts_layer(m: nn.Module, name: str, experts: list[int], xs: list[torch.T
     packed = m._modules.get(PACKED + name)
     if packed is None:
         return torch.cat([_float_expert(m, name, e, x) for e, x in zip(experts, xs)])
-    layers = [packed._modules[str(e)] for e in experts]  # ModuleList's __getitem__ costs 4 us a call
+    layers = [packed._modules[str(e)] for e in experts]  # ModuleList's __getitem__ is slow for a per-token loop
     if _one_call_serves(layers, xs):
         biases = [layer._parameters["bias"] for layer in layers]
         return torch.ops.ulb.linear_many(xs, [layer._buffers["packed"] for layer in layers],

@@ -246,10 +246,10 @@ class LowBitLinear(nn.Module):
                                "from_codes or load a state_dict")
 
     def __call__(self, *args, **kwargs):
-        # nn.Module.__call__ costs 1.3 us hot and ~2 us cold (two Python
-        # frames, eight hook tables) before forward: a third of a small
-        # decode GEMV. The module call of csrc/eager.cpp makes its checks and
-        # forward's in C and runs the kernel, or leaves the call to it.
+        # nn.Module.__call__ walks two Python frames and eight hook tables
+        # before forward, a large share of a small decode GEMV. The module
+        # call of csrc/eager.cpp makes its checks and forward's in C and runs
+        # the kernel, or leaves the call to it.
         call = runtime.eager_module_call
         if call is not None and len(args) == 1 and not kwargs and not _is_dynamo_compiling():
             y = call(self, args[0])
