@@ -52,6 +52,7 @@ def _check_no_grad(op: str, **tensors) -> None:
                                    "call it under torch.no_grad(), or use the nn modules (Linear2Bit, ...), "
                                    "which have one")
 
+
 def _check_packed(packed: torch.Tensor) -> None:
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
         raise TypeError(
@@ -61,13 +62,14 @@ def _check_packed(packed: torch.Tensor) -> None:
 
 
 def _tiles_arg(tiles: str | None, fmt: Format, what: str) -> int:
-    """The ops' tile-order argument for `tiles` on format fmt (-1: preferred)."""
+    """The ops' tile-order argument for `tiles` on format fmt (None: the
+    active ISA's preferred order)."""
     if tiles is not None and tiles not in TILE_ORDERS:
         raise ValueError(f"tiles must be one of {TILE_ORDERS} or None, got {tiles!r}")
     if tiles is not None and tiles not in fmt.tiles:
         widths = "/".join(sorted({f"{f.bits}-bit" for f in FORMATS_BY_ID.values() if tiles in f.tiles}))
         raise ValueError(f"the {tiles} tile order is for {widths} formats; {what}")
-    return -1 if tiles is None else TILE_ORDERS.index(tiles)
+    return CONSTANTS.tiles_preferred if tiles is None else TILE_ORDERS.index(tiles)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_size: int | None = None,
