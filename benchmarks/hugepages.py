@@ -129,6 +129,7 @@ def main(argv=None):
     p.add_argument("--no-gemv", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: the falcon3-1b shapes, 2-bit, 2 threads, 1-layer model, few runs")
+    p.add_argument("--json", help="write every row as JSON here")
     p.add_argument("--markdown", help="write the tables as markdown here")
     args = p.parse_args(argv)
     if args.quick:
@@ -158,7 +159,7 @@ def main(argv=None):
                                  f"{torch.get_num_threads()} threads", min_widths=dict(variant=10, moved=22))
         decode_rows(args, dec)
         tables.append(dec)
-    common.write_outputs(tables, md_path=args.markdown, meta=dict(env=env, args=vars(args)))
+    common.write_outputs(tables, json_path=args.json, md_path=args.markdown, meta=dict(env=env, args=vars(args)))
 
 
 if __name__ == "__main__":

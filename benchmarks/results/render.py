@@ -5,9 +5,10 @@ in benchmarks/results/<machine>/.
     python benchmarks/results/render.py --check    # exit 1 if README.md is stale
 
 A machine's folder holds two kinds of JSON:
-- what a benchmark wrote with --json (gemv.py, decode.py, gemv_bf16.py; keys
-  "meta", "tables", "notes"): summarised here, a row per format and thread
-  count, with the command from its "meta";
+- what a benchmark wrote with --json (keys "meta", "tables", "notes"):
+  summarised here, for gemv.py, decode.py, gemv_bf16.py, hugepages.py,
+  roofline.py and scheduler.py a row per format and thread count (or per
+  variant), for other scripts a row per table, with the command from "meta";
 - a transcription of numbers from an archived run (keys "machine",
   "transcribed_from", "rows"), for machines we cannot run again.
 
@@ -103,7 +104,36 @@ def summarise_gemv_bf16(title: str, rows: list[dict]) -> list[dict]:
             for (thr,), rs in grouped(rows, "threads")]
 
 
-SUMMARIES = {"gemv.py": summarise_gemv, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16}
+def summarise_hugepages(title: str, rows: list[dict]) -> list[dict]:
+    if title.startswith("GEMV"):
+        return [dict(what=f"one-token GEMV from DRAM, {fmt}, {thr} thr, 2 MiB against 4 KiB pages "
+                          f"({len(rs)} shapes of {models_of(rs)})",
+                     ours=f"{median(r['x'] for r in rs):.2f}x from 2 MiB pages (median)",
+                     pct_same_read=fmt_pct(median(r.get("pct_probe") for r in rs)) + " (median, 2 MiB pages)")
+                for (fmt, thr), rs in grouped(rows, "format", "threads")]
+    return [dict(what=f"{title}: {r['variant']}", ours=f"{r['x']:.3f}x from 2 MiB pages") for r in rows]
+
+
+def summarise_roofline(title: str, rows: list[dict]) -> list[dict]:
+    if not title.startswith("Cold GEMV"):
+        return []
+    return [dict(what=f"one-token GEMV from DRAM (roofline.py), {fmt}, {thr} thr ({len(rs)} shapes of {models_of(rs)})",
+                 ours=f"median {median(r['gbps'] for r in rs):.1f} GB/s",
+                 pct_beta=fmt_pct(median(r.get("pct_beta") for r in rs)) + " (median)")
+            for (fmt, thr), rs in grouped(rows, "format", "threads")]
+
+
+def summarise_scheduler(title: str, rows: list[dict]) -> list[dict]:
+    if not title.startswith("Static equal split"):
+        return []
+    return [dict(what=f"dynamic work split against an equal one: {r['scenario']}",
+                 ours=f"{r['gain']:.2f}x the equal split (median per call)")
+            for r in rows if r.get("split") == "dynamic" and r.get("gain")]
+
+
+SUMMARIES = {"gemv.py": summarise_gemv, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
+             "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
+             "scheduler.py": summarise_scheduler}
 
 
 def machine_of_env(env: dict) -> str:
@@ -130,8 +160,10 @@ def rows_of_file(path: str, rel: str) -> tuple[list[dict], str]:
     summarise = SUMMARIES.get(script)
     rows = []
     for title, table in doc["tables"].items():
-        summary = summarise(title, table) if summarise else []
-        rows += summary or [dict(what=f"{script}: {title} ({len(table)} rows)")]
+        if summarise:
+            rows += summarise(title, table)
+        else:
+            rows.append(dict(what=f"{script}: {title} ({len(table)} rows)"))
     for r in rows:
         r.update(command=meta["command"], source=f"[{rel}]({rel})")
     return rows, machine_of_env(meta["env"])
