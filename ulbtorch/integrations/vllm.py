@@ -26,7 +26,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-from ..nn.fast_path import gemv_serves
+from ..nn.fast_path import KERNEL_DTYPES, gemv_serves
 from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
 
@@ -161,7 +161,7 @@ class UlbLinearMethod(LinearMethodBase):
                          "checkpoint")
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype in (torch.float32, torch.bfloat16):
+        if x.dtype in KERNEL_DTYPES:
             return torch.ops.ulb.linear(x, layer.packed, bias, layer.ulb_out_features)
         b = None if bias is None else bias.float()
         return torch.ops.ulb.linear(x.float(), layer.packed, b, layer.ulb_out_features).to(x.dtype)
