@@ -1,3 +1,6 @@
 """Hooks into the libraries users already run: transformers (quantization
-method "ulb", registered when transformers loads its quantizers: lazy_hf.py)
-and vLLM (plugin entry point)."""
+method "ulb", registered when transformers loads its quantizers, and the
+config quantize_ records in a transformers model: lazy_hf.py), transformers'
+mixture-of-experts modules packed (hf_experts.py, which imports no
+transformers, so quantize_ and load_quantized use it directly) and vLLM
+(plugin entry point)."""
