@@ -10,8 +10,8 @@ import ulbtorch
 from ulbtorch import ops
 from ulbtorch.nn import Linear2Bit, LowBitLinear
 
-from test_modules import CLASS_FORMATS, K_IN, M_OUT  # noqa: E402
-from test_modules import _float_linear as _linear  # noqa: E402
+from _layers import CLASS_FORMATS, K_IN, M_OUT  # noqa: E402
+from _layers import _float_linear as _linear  # noqa: E402
 
 ACC = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 pytestmark = pytest.mark.skipif(ACC is None, reason="no accelerator (CUDA, XPU) visible to torch")

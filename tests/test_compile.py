@@ -2,9 +2,11 @@
 compiled with fullgraph=True matches eager."""
 import pytest
 import torch
+from torch import nn
 from torch.library import opcheck
 
 import ulbtorch
+from ulbtorch.nn import Linear2Bit
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +114,17 @@ def test_exported_reference_path_saves_and_loads(tmp_path, cls, gs):
         assert torch.equal(loaded(x), layer(x))
     with pytest.raises(ValueError, match="the packed weight is 96x128, not 96x64"):
         torch.ops.ulb.dequantize_packed(layer.packed, 96, 64)
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    try:
+        g = torch.Generator().manual_seed(0)
+        lin = nn.Linear(96, 40)
+        seq = nn.Sequential(Linear2Bit.from_linear(lin, group_size=32)).eval()
+        compiled = torch.compile(seq, fullgraph=True)
+        for n in (3, 5):
+            x = torch.randn(n, 96, generator=g)
+            assert torch.equal(compiled(x), seq(x))
+    finally:
+        torch._dynamo.reset()

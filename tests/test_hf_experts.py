@@ -1,6 +1,6 @@
 """The experts of transformers' mixture-of-experts layers, packed
 (ulbtorch.integrations.hf_experts): quantize_, the forward against the model's own,
-saving and loading both ways."""
+one linear_many call per projection where it serves, saving and loading both ways."""
 import copy
 import io
 import warnings
@@ -289,3 +289,125 @@ def test_load_quantized_checks_the_weights_file_before_changing_the_model(tmp_pa
     with pytest.raises(ValueError, match=r"has no model.layers.0.mlp.experts.packed_down_proj.0.packed"):
         ulbtorch.load_quantized(model, tmp_path / "half")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---- one linear_many call per projection -------------------------------------------------------
+
+def _moe(dtype, biases):
+    torch.manual_seed(0)
+    small = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                 intermediate_size=128, num_local_experts=8, num_experts_per_tok=4)
+    cfg = transformers.GptOssConfig(head_dim=16, **small) if biases else transformers.MixtralConfig(**small)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return ulbtorch.quantize_(model, bits=2, group_size=32)
+
+
+def _count_calls(monkeypatch):
+    calls = []
+    real = torch.ops.ulb.linear_many
+
+    class Counting:
+        def __call__(self, *args):
+            calls.append(len(args[1]))
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.ulb, "linear_many", Counting())
+    return calls
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_experts_run_in_two_calls_with_the_per_layer_bits(monkeypatch, dtype, biases):
+    """Each experts forward makes one call for the up (and gate) projections
+    and one for the down ones, and gives the bits of calling each expert's
+    layers (their own forward, the reference of this test)."""
+    model = _moe(dtype, biases)
+    ids = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(1))
+    calls = _count_calls(monkeypatch)
+    with torch.no_grad():
+        got, got_one = model(ids).logits, model(ids[:1, :1]).logits
+    assert calls and all(n >= 1 for n in calls) and len(calls) == 4  # two calls a forward, two forwards
+    assert calls[2:] == [4, 4]  # one token: its four experts in one call each way
+    monkeypatch.setattr("ulbtorch.integrations.hf_experts._one_call_serves", lambda layers, xs: False)
+    with torch.no_grad():
+        want, want_one = model(ids).logits, model(ids[:1, :1]).logits
+    assert len(calls) == 4
+    assert torch.equal(got, want) and torch.equal(got_one, want_one)
+
+
+def test_experts_take_each_layers_call_where_one_call_would_not_serve(monkeypatch):
+    """With autograd recording, under autocast, or with a layer on its
+    pure-PyTorch reference, the experts call each layer as before."""
+    model = _moe(torch.float32, False)
+    ids = torch.randint(0, 300, (1, 3), generator=torch.Generator().manual_seed(2))
+    calls = _count_calls(monkeypatch)
+    model(ids).logits.sum().backward()  # the embedding's grad flows through the experts
+    assert model.model.embed_tokens.weight.grad is not None
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)
+    assert calls == []
+    experts = next(m for m in model.modules() if hasattr(m, "packed_down_proj"))
+    for layer in experts.packed_down_proj:
+        layer.force_reference = True
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == 1  # the up projections only
+
+
+def test_experts_keep_each_layers_call_where_it_does_more_than_forward(monkeypatch):
+    """Hooks on a layer or global ones (accelerate's offload puts weights back
+    in one), a forward replaced on the instance, a layer wrapped in another
+    module, forward-mode AD and torch.func transforms: each layer's own call
+    runs, with what it carries, and gives the per-layer bits."""
+    import torch.autograd.forward_ad as fwAD
+
+    model = _moe(torch.float32, False)
+    experts = next(m for m in model.modules() if hasattr(m, "packed_down_proj"))
+    g = torch.Generator().manual_seed(3)
+    h, t = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    idx, w = torch.tensor([[0, 1, 2, 3], [1, 4, 5, 6], [7, 0, 2, 5]]), torch.rand(3, 4, generator=g)
+    with torch.no_grad():
+        want = experts(h, idx, w)
+    calls = _count_calls(monkeypatch)
+    seen = []
+
+    def per_layer():
+        with torch.no_grad():
+            assert torch.equal(experts(h, idx, w), want)
+
+    layer = experts.packed_down_proj[1]
+    for register in (layer.register_forward_hook, layer.register_forward_pre_hook):
+        handle = register(lambda *a: seen.append(1))
+        per_layer()
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, *a: seen.append(1) if m is layer else None)
+    per_layer()
+    handle.remove()
+    layer.forward = lambda x: (seen.append(1), type(layer).forward(layer, x))[1]
+    per_layer()
+    del layer.forward
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            seen.append(1)
+            return self.inner(x)
+
+    experts.packed_down_proj[1] = Wrap(layer)
+    per_layer()
+    experts.packed_down_proj[1] = layer
+    # the up projections in one call each time, but under the global hook, which every layer has
+    assert len(seen) == 5 and len(calls) == 4
+    with torch.no_grad(), fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(experts(fwAD.make_dual(h, t), idx, w))
+    jvp_primal, jvp_tangent = torch.func.jvp(lambda x: experts(x, idx, w), (h,), (t,))
+    assert len(calls) == 4
+    monkeypatch.setattr("ulbtorch.integrations.hf_experts._one_call_serves", lambda layers, xs: False)
+    with torch.no_grad(), fwAD.dual_level():
+        want_tangent = fwAD.unpack_dual(experts(fwAD.make_dual(h, t), idx, w)).tangent
+    assert torch.equal(primal, want) and torch.equal(jvp_primal, want)
+    assert tangent is not None and torch.equal(tangent, want_tangent)
+    torch.testing.assert_close(jvp_tangent, want_tangent)  # torch.func orders some sums its own way

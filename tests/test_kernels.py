@@ -3,7 +3,6 @@ oracle (bit for bit) and against plain integer arithmetic in PyTorch."""
 import contextlib
 import functools
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,6 @@ import zlib
 import pytest
 import torch
 
-import ulbtorch
 from ulbtorch import ops, runtime
 from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
 
@@ -70,34 +68,6 @@ def use_kernels(name):
         assert runtime.get_isa() == isa and runtime.lut1_enabled() == (variant != "nolut1"
                                                                          and runtime.lut1_available())
         yield
-
-
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(ln for ln in f if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return None
-    return set(line.split(":", 1)[1].split())
-
-
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or _cpu_flags() is None,
-                    reason="x86-64 with /proc/cpuinfo only")
-def test_detected_isas_match_cpuinfo():
-    """CPUID detection agrees with the kernel's view of the CPU: a detection
-    that lost an ISA would shrink every ISA parametrisation of this suite to
-    fewer kernels without a single failure."""
-    f = _cpu_flags()
-    avx2 = {"avx2", "fma"} <= f
-    want = {"scalar": True, "avx2": avx2,
-            "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f,
-            "avxvnni": avx2 and "avx_vnni" in f, "portable": True}
-    # Linux lists amx_tile only where it saves the tiles' state.
-    want["amx"] = want["avx512"] and {"amx_tile", "amx_int8", "avx512vbmi"} <= f
-    assert runtime.supported_isas() == [isa for isa in runtime.ISAS if want[isa]]
-    best = [isa for isa in ("amx", "avx512", "avxvnni", "avx2", "portable") if want[isa]][0]
-    if not os.environ.get("ULB_ISA"):
-        assert runtime.get_isa() == best
 
 
 @functools.lru_cache(maxsize=4)

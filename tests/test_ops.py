@@ -1,5 +1,5 @@
-"""torch.ops.ulb.* and the wrappers in ulbtorch.ops: bad input gives a clear
-Python exception, never garbage or a crash."""
+"""torch.ops.ulb.* and the wrappers in ulbtorch.ops: vmap over each argument,
+and bad input gives a clear Python exception, never garbage or a crash."""
 import subprocess
 import sys
 import textwrap
@@ -11,6 +11,8 @@ import ulbtorch
 from ulbtorch import ops
 from ulbtorch.formats import n_groups
 from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary
+
+from _layers import K_IN, _layer
 
 M, K = 8, 64
 
@@ -137,6 +139,17 @@ def test_autocast_leaves_float64_to_the_ops_check(blob):
         with pytest.raises(RuntimeError, match="float64"):
             torch.ops.ulb.linear(torch.randn(2, K, dtype=torch.float64), blob, None, M)
         assert torch.ops.ulb.linear(torch.randn(2, K), blob, None, M).dtype == torch.bfloat16
+
+
+def test_vmap_of_the_op_over_each_argument(gen):
+    _, layer = _layer(gen)
+    blob, M = layer.packed, layer.out_features
+    x, biases = torch.randn(4, 2, K_IN, generator=gen), torch.randn(4, M, generator=gen)
+    op = torch.ops.ulb.linear
+    assert torch.equal(torch.func.vmap(lambda xi: op(xi, blob, None, M), in_dims=1)(x),
+                       op(x.movedim(1, 0), blob, None, M))
+    got = torch.func.vmap(lambda b: op(x[0], blob, b, M))(biases)
+    assert torch.equal(got, torch.stack([op(x[0], blob, b, M) for b in biases]))
 
 
 # ---- the packed blob ------------------------------------------------------------------------------

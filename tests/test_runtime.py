@@ -1,7 +1,8 @@
-"""ulbtorch.runtime's controls: ISA choice, switches (also from the
-environment), the scheduler's table and test slowdown, and the read probe
-refuse bad values before they reach C."""
+"""ulbtorch.runtime: the ISAs it detects are those /proc/cpuinfo lists, and its
+controls (ISA choice, switches also from the environment, the scheduler's
+table and test slowdown, the read probe) refuse bad values before they reach C."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -36,6 +37,34 @@ def test_runtime_isa_names_checked():
         with pytest.raises(ValueError, match=r"unknown ISA 'bogus'; choose from \('scalar', 'avx2'"):
             call()
     assert runtime.scheduler_stats(2, runtime.get_isa())["calls"] >= 0
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(ln for ln in f if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or _cpu_flags() is None,
+                    reason="x86-64 with /proc/cpuinfo only")
+def test_detected_isas_match_cpuinfo():
+    """CPUID detection agrees with the kernel's view of the CPU: a detection
+    that lost an ISA would shrink every ISA parametrisation of this suite to
+    fewer kernels without a single failure."""
+    f = _cpu_flags()
+    avx2 = {"avx2", "fma"} <= f
+    want = {"scalar": True, "avx2": avx2,
+            "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f,
+            "avxvnni": avx2 and "avx_vnni" in f, "portable": True}
+    # Linux lists amx_tile only where it saves the tiles' state.
+    want["amx"] = want["avx512"] and {"amx_tile", "amx_int8", "avx512vbmi"} <= f
+    assert runtime.supported_isas() == [isa for isa in runtime.ISAS if want[isa]]
+    best = [isa for isa in ("amx", "avx512", "avxvnni", "avx2", "portable") if want[isa]][0]
+    if not os.environ.get("ULB_ISA"):
+        assert runtime.get_isa() == best
 
 
 def test_unknown_isa_in_the_environment_warns():

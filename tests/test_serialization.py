@@ -1,11 +1,18 @@
-"""ulbtorch.save_quantized / load_quantized: a bad checkpoint is a clear error
-and leaves the model as it was."""
+"""ulbtorch.save_quantized / load_quantized: a round trip gives the same layers
+and logits (1-bit tiles in this CPU's order, a layer used twice included); a bad
+checkpoint is a clear error and leaves the model as it was."""
+import os
 import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import ulbtorch
+from ulbtorch import ops, runtime
+from ulbtorch.nn import Linear2Bit
+
+from _tiny_llama import lowbit_names, prompt, tiny_llama
 
 M, K = 8, 64
 
@@ -23,6 +30,80 @@ def test_load_quantized_requires_an_untied_lm_head(tmp_path):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lm_head.weight"):
         ulbtorch.load_quantized(transformers.AutoModelForCausalLM.from_config(cfg), tmp_path)
+
+
+@pytest.mark.parametrize("bits,group_size", [(2, 64), ("ternary", 0), (1, 32)])
+def test_save_load_reproduces_logits(tmp_path, bits, group_size):
+    model = ulbtorch.quantize_(tiny_llama(seed=0), bits=bits, group_size=group_size)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    assert os.path.exists(tmp_path / "ulbtorch.json") and os.path.exists(tmp_path / "model.safetensors")
+    fresh = tiny_llama(seed=123)  # different float weights everywhere
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids).logits
+        assert not torch.allclose(fresh(ids).logits, want)
+        loaded = ulbtorch.load_quantized(fresh, str(tmp_path))
+        got = loaded(ids).logits
+    assert torch.equal(got, want)
+    assert lowbit_names(loaded) == lowbit_names(model)
+    for name in lowbit_names(model):
+        a, b = model.get_submodule(name), loaded.get_submodule(name)
+        assert type(a) is type(b) and a.format == b.format and a.group_size == b.group_size
+        assert torch.equal(a.packed, b.packed)
+    assert type(loaded.lm_head) is nn.Linear and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def isa_preferring(tiles):
+    """A supported ISA under which 1-bit codes pack in `tiles` order, or None."""
+    for isa in runtime.supported_isas():
+        with runtime.use_isa(isa):
+            if ops.preferred_tiles("binary") == tiles:
+                return isa
+    return None
+
+
+@pytest.mark.parametrize("saved,loaded_as", [("vnni", "lanes"), ("lanes", "vnni")])
+def test_load_quantized_puts_1bit_tiles_in_this_cpus_order(tmp_path, saved, loaded_as):
+    """A 1-bit checkpoint packed where the other tile order was preferred
+    loads into this CPU's order, with the same codes and the same logits."""
+    pack_isa, load_isa = isa_preferring(saved), isa_preferring(loaded_as)
+    if pack_isa is None or load_isa is None:
+        pytest.skip(f"no ISA here packs 1-bit codes in {saved if pack_isa is None else loaded_as} tiles")
+    with runtime.use_isa(pack_isa):
+        model = ulbtorch.quantize_(tiny_llama(seed=0), bits=1, group_size=32)
+    names = lowbit_names(model)
+    assert {ops.packed_info(model.get_submodule(n).packed)["tiles"] for n in names} == {saved}
+    ulbtorch.save_quantized(model, str(tmp_path))
+    with runtime.use_isa(load_isa):
+        loaded = ulbtorch.load_quantized(tiny_llama(seed=123), str(tmp_path))
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    for n in names:
+        a, b = model.get_submodule(n), loaded.get_submodule(n)
+        assert ops.packed_info(b.packed)["tiles"] == loaded_as
+        assert all(torch.equal(u, v) for u, v in zip(ops.unpack(a.packed), ops.unpack(b.packed)))
+
+
+class _SharedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_save_and_load_a_layer_used_twice(tmp_path):
+    """Saved under its first name, loaded at both: it once failed to load
+    ("missing b.weight")."""
+    torch.manual_seed(0)
+    model = ulbtorch.quantize_(_SharedLayer(), bits=2)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    loaded = ulbtorch.load_quantized(_SharedLayer(), str(tmp_path))
+    assert loaded.a is loaded.b and type(loaded.a) is Linear2Bit
+    x = torch.randn(3, 64)
+    assert torch.equal(loaded(x), model(x))
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -83,3 +164,44 @@ def test_load_quantized_into_a_float32_model_warns_of_the_bf16_gemv(tmp_path):
         loaded = ulbtorch.load_quantized(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16),
                                          str(tmp_path))
     assert type(loaded.lm_head) is ulbtorch.LinearBF16
+
+
+def test_load_quantized_checks_everything_before_changing_the_model(tmp_path):
+    """A failed load once left the model half converted; a model on meta
+    once 'loaded' and stayed on meta; a hand-edited manifest gave a
+    self-contradictory message."""
+    import json
+    import os
+
+    model = ulbtorch.quantize_(tiny_llama(seed=0), bits=2)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    manifest = tmp_path / "ulbtorch.json"
+    good = json.loads(manifest.read_text())
+
+    def types_after(fail_with, match):
+        fresh = tiny_llama(seed=1)
+        before = [type(m) for m in fresh.modules()]
+        with pytest.raises(fail_with, match=match):
+            ulbtorch.load_quantized(fresh, str(tmp_path))
+        assert [type(m) for m in fresh.modules()] == before
+
+    bad = json.loads(json.dumps(good))
+    bad["layers"]["model.layers.0.mlp.up_proj"]["in_features"] = "64"
+    manifest.write_text(json.dumps(bad))
+    types_after(ValueError, r"'model.layers.0.mlp.up_proj': in_features must be a int, got '64'")
+    bad = json.loads(json.dumps(good))
+    bad["layers"]["model.norm"] = bad["layers"]["model.layers.0.mlp.up_proj"]
+    manifest.write_text(json.dumps(bad))
+    types_after(ValueError, r"'model.norm' is a LlamaRMSNorm in the model, not a linear layer")
+    manifest.write_text(json.dumps(good))
+    os.rename(tmp_path / "model.safetensors", tmp_path / "elsewhere")
+    types_after(FileNotFoundError, "model.safetensors not found")
+    os.rename(tmp_path / "elsewhere", tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        on_meta = tiny_llama(seed=0)
+    with pytest.raises(ValueError, match="on the meta device"):
+        ulbtorch.load_quantized(on_meta, str(tmp_path))
+    again = ulbtorch.load_quantized(ulbtorch.load_quantized(tiny_llama(seed=1), str(tmp_path)), str(tmp_path))
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

@@ -1,0 +1,24 @@
+"""Float layers and the format grid that the module, quantizer and op tests
+share."""
+import torch
+
+from ulbtorch.nn import MODULE_FOR_FORMAT, Linear2Bit
+
+CLASS_FORMATS = [(cls, fmt) for fmt, cls in MODULE_FOR_FORMAT.items()]  # every row of the format table
+CF_IDS = [f for _, f in CLASS_FORMATS]
+METHODS = ["absmax", "absmean", "mse"]
+K_IN, M_OUT = 100, 37  # K deliberately not a multiple of 16
+
+
+def _float_linear(gen, K=K_IN, M=M_OUT, bias=True):
+    lin = torch.nn.Linear(K, M, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(M, K, generator=gen) / K ** 0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(M, generator=gen) * 0.1)
+    return lin
+
+
+def _layer(gen, cls=Linear2Bit, fmt="int2_sym", gs=32, bias=True, K=K_IN, M=M_OUT):
+    lin = _float_linear(gen, K, M, bias)
+    return lin, cls.from_linear(lin, format=fmt, group_size=gs)
