@@ -145,10 +145,12 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
 
 // A tile order `op` may pass on for format fi (checked before it narrows to int).
 void check_tiles(const char *op, const ulb_format_info *fi, int64_t tiles) {
-  ULB_CHECK(tiles == ULB_TILES_PREFERRED || tiles == ULB_TILES_VNNI ||
-                (tiles == ULB_TILES_LANES && fi->bits == 1),
-            "ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name,
-            " (0 = VNNI for every format, 1 = LANES for 1-bit formats, -1 = this CPU's preferred)");
+  if (tiles == ULB_TILES_PREFERRED || (tiles >= 0 && tiles < ULB_TILES_COUNT && (fi->tiles >> tiles & 1u))) return;
+  std::ostringstream offered;
+  for (int t = 0; t < ULB_TILES_COUNT; t++)
+    if (fi->tiles >> t & 1u) offered << t << " = " << ulb_tiles_name(t) << ", ";
+  fail("ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name, " (it offers ", offered.str(),
+       ULB_TILES_PREFERRED, " = this CPU's preferred)");
 }
 
 Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int64_t tiles) {
@@ -453,7 +455,11 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_lut1_available), reinterpret_cast<const void *>(&ulb_prefetch_get),
     reinterpret_cast<const void *>(&ulb_prefetch_set), reinterpret_cast<const void *>(&ulb_prefetch_resolve),
     reinterpret_cast<const void *>(&ulb_read_probe_streams), reinterpret_cast<const void *>(&ulb_shape_limits),
-    reinterpret_cast<const void *>(&ulb_spin_us)};
+    reinterpret_cast<const void *>(&ulb_spin_us), reinterpret_cast<const void *>(&ulb_format_count),
+    reinterpret_cast<const void *>(&ulb_format_at), reinterpret_cast<const void *>(&ulb_format_get),
+    reinterpret_cast<const void *>(&ulb_format_info_size), reinterpret_cast<const void *>(&ulb_tiles_name),
+    reinterpret_cast<const void *>(&ulb_constants_get), reinterpret_cast<const void *>(&ulb_constants_size),
+    reinterpret_cast<const void *>(&ulb_status_str)};
 
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {

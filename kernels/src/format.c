@@ -1,23 +1,89 @@
 /* Formats, the packed blob (header, panels of scales and codes, padding),
  * packing and unpacking. */
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <string.h>
 
 #include "internal.h"
 
+/* The format table: one row a level map. Ids are stored in blobs, so a row
+ * keeps its id for good. A new level map at an existing code width needs only
+ * its row here: the kernels read bits, level_a (1 or 2: gemm_amx.c adds the
+ * codes once or twice) and level_b. The first row's width leads the
+ * ULB_ERR_GROUP message. */
+#define VNNI (1u << ULB_TILES_VNNI)
+#define LANES (1u << ULB_TILES_LANES)
+#define FORMAT(id, name, bits, a, b, max_code, tiles, aliases, bits_name, module, module_default) \
+    {id, name, bits, a, b, max_code, ULB_TILE_K(bits), tiles, aliases, bits_name, module, module_default}
 static const ulb_format_info FORMATS[] = {
-    [ULB_FMT_INT2] = {2, 1, -2, 3, "int2"},
-    [ULB_FMT_INT2_SYM] = {2, 2, -3, 3, "int2_sym"},
-    [ULB_FMT_TERNARY] = {2, 1, -1, 2, "ternary"},
-    [ULB_FMT_BINARY] = {1, 2, -1, 1, "binary"},
-    [ULB_FMT_INT8] = {8, 1, -127, 254, "int8"},
-    [ULB_FMT_INT4] = {4, 1, -8, 15, "int4"},
+    FORMAT(ULB_FMT_INT2, "int2", 2, 1, -2, 3, VNNI, "", "2", "Linear2Bit", 0),
+    FORMAT(ULB_FMT_INT2_SYM, "int2_sym", 2, 2, -3, 3, VNNI, "2", "2", "Linear2Bit", 1),
+    FORMAT(ULB_FMT_TERNARY, "ternary", 2, 1, -1, 2, VNNI, "ternary,1.58", "ternary", "LinearTernary", 1),
+    FORMAT(ULB_FMT_BINARY, "binary", 1, 2, -1, 1, VNNI | LANES, "1", "1", "Linear1Bit", 1),
+    FORMAT(ULB_FMT_INT8, "int8", 8, 1, -127, 254, VNNI, "8", "8", "Linear8Bit", 1),
+    FORMAT(ULB_FMT_INT4, "int4", 4, 1, -8, 15, VNNI, "4", "4", "Linear4Bit", 1),
 };
+#undef FORMAT
+#define NFORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
+
+int ulb_format_count(void) { return NFORMATS; }
+
+const ulb_format_info *ulb_format_at(int i) { return i >= 0 && i < NFORMATS ? &FORMATS[i] : NULL; }
 
 const ulb_format_info *ulb_format_get(int format) {
-    if (format < ULB_FMT_INT2 || format > ULB_FMT_INT4) return NULL;
-    return &FORMATS[format];
+    for (int i = 0; i < NFORMATS; i++)
+        if (FORMATS[i].id == format) return &FORMATS[i];
+    return NULL;
+}
+
+size_t ulb_format_info_size(void) { return sizeof(ulb_format_info); }
+
+const char *ulb_tiles_name(int tiles) {
+    switch (tiles) {
+    case ULB_TILES_VNNI: return "vnni";
+    case ULB_TILES_LANES: return "lanes";
+    }
+    return NULL;
+}
+
+/* The messages that name the table's tile widths and tile orders, written
+ * from it once. */
+static char group_msg[192], tiles_msg[192];
+static pthread_once_t msgs_once = PTHREAD_ONCE_INIT;
+
+static void msgs_init(void) {
+    /* "a positive multiple of 16 (32 for 1-bit, 8 for 4-bit, 4 for 8-bit)":
+     * the first row's width, then each other code width, narrowest first. */
+    int n = snprintf(group_msg, sizeof group_msg, "group size must be a positive multiple of %d",
+                     FORMATS[0].tile_k);
+    const char *sep = " (";
+    for (int bits = 1; bits <= 8; bits++) {
+        int found = 0;
+        for (int i = 0; i < NFORMATS; i++) found |= FORMATS[i].bits == bits && bits != FORMATS[0].bits;
+        if (!found) continue;
+        n += snprintf(group_msg + n, sizeof group_msg - n, "%s%d for %d-bit", sep, ULB_TILE_K(bits), bits);
+        sep = ", ";
+    }
+    snprintf(group_msg + n, sizeof group_msg - n, "%s, or cover all of K", *sep == ',' ? ")" : "");
+    /* "tile order unknown, or not offered for this format (lanes: binary)":
+     * the formats of each order that not every format offers. */
+    n = snprintf(tiles_msg, sizeof tiles_msg, "tile order unknown, or not offered for this format");
+    sep = " (";
+    for (int t = 0; t < ULB_TILES_COUNT; t++) {
+        int all = 1;
+        for (int i = 0; i < NFORMATS; i++) all &= (int)(FORMATS[i].tiles >> t) & 1;
+        if (all) continue;
+        n += snprintf(tiles_msg + n, sizeof tiles_msg - n, "%s%s:", sep, ulb_tiles_name(t));
+        for (int i = 0, first = 1; i < NFORMATS; i++)
+            if (FORMATS[i].tiles >> t & 1) {
+                n += snprintf(tiles_msg + n, sizeof tiles_msg - n, "%s%s", first ? " " : ", ", FORMATS[i].name);
+                first = 0;
+            }
+        sep = "; ";
+    }
+    if (*sep == ';') snprintf(tiles_msg + n, sizeof tiles_msg - n, ")");
 }
 
 const char *ulb_status_str(ulb_status s) {
@@ -25,8 +91,7 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_OK: return "ok";
     case ULB_ERR_FORMAT: return "unknown weight format";
     case ULB_ERR_SHAPE: return "invalid shape or buffer size";
-    case ULB_ERR_GROUP:
-        return "group size must be a positive multiple of 16 (32 for 1-bit, 8 for 4-bit, 4 for 8-bit), or cover all of K";
+    case ULB_ERR_GROUP: pthread_once(&msgs_once, msgs_init); return group_msg;
     case ULB_ERR_CODE: return "weight code out of range for the format";
     case ULB_ERR_BLOB: return "not a valid ulbtorch packed weight (bad header or size)";
     case ULB_ERR_DTYPE: return "unsupported dtype";
@@ -36,7 +101,7 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_ERR_SCALE: return "scale is NaN or infinite";
     case ULB_ERR_BLOB_VERSION:
         return "packed weight made by an older ulbtorch (blob layout version 1); pack it again with this version";
-    case ULB_ERR_TILES: return "tile order unknown, or not offered for this format (LANES: 1-bit formats only)";
+    case ULB_ERR_TILES: pthread_once(&msgs_once, msgs_init); return tiles_msg;
     }
     return "unknown error";
 }
@@ -60,9 +125,9 @@ typedef struct {
 /* After the panels: one line a kernel may read past its last tile. */
 #define ULB_TAIL_BYTES 64
 
-/* Whether `format` may be packed in tile order `tiles` (LANES: 1-bit only). */
+/* Whether `format` may be packed in tile order `tiles`. */
 static int tiles_offered(const ulb_format_info *fi, int tiles) {
-    return tiles == ULB_TILES_VNNI || (tiles == ULB_TILES_LANES && fi->bits == 1);
+    return tiles >= 0 && tiles < ULB_TILES_COUNT && (fi->tiles >> tiles & 1);
 }
 
 static ulb_status geometry(int format, int tiles, int64_t M, int64_t K, int64_t group_size,
@@ -72,16 +137,16 @@ static ulb_status geometry(int format, int tiles, int64_t M, int64_t K, int64_t 
     if (!tiles_offered(fi, tiles)) return ULB_ERR_TILES;
     if (M <= 0 || K <= 0 || M > ULB_MAX_M || K > ULB_MAX_K) return ULB_ERR_SHAPE;
     g->M_pad = ulb_round_up(M, ULB_TILE);
-    g->K_pad = ulb_round_up(K, ulb_tile_k(fi->bits));
+    g->K_pad = ulb_round_up(K, fi->tile_k);
     if (group_size <= 0 || group_size >= K) {
         g->group_size = g->K_pad;
     } else {
-        if (group_size % ulb_tile_k(fi->bits)) return ULB_ERR_GROUP;
+        if (group_size % fi->tile_k) return ULB_ERR_GROUP;
         g->group_size = group_size;
     }
     g->n_groups = (g->K_pad + g->group_size - 1) / g->group_size;
-    const int64_t ksteps = g->K_pad / ulb_tile_k(fi->bits);
-    g->layout = (ulb_layout){fi->bits, tiles, g->M_pad, ksteps, g->group_size / ulb_tile_k(fi->bits), g->n_groups};
+    const int64_t ksteps = g->K_pad / fi->tile_k;
+    g->layout = (ulb_layout){fi->bits, tiles, g->M_pad, ksteps, g->group_size / fi->tile_k, g->n_groups};
     g->panels_bytes = (g->M_pad / ULB_TILE) * (g->n_groups * ULB_TILE_SCALE_BYTES + ksteps * ULB_TILE_BYTES);
     g->total = ULB_HEADER_BYTES + g->panels_bytes + ULB_TAIL_BYTES;
     return ULB_OK;
@@ -99,7 +164,9 @@ int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size) 
 ulb_tiles ulb_tiles_preferred(int format) {
     const ulb_format_info *fi = ulb_format_get(format);
     const ulb_isa isa = ulb_isa_active();
-    return fi && fi->bits == 1 && (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI) ? ULB_TILES_LANES : ULB_TILES_VNNI;
+    return fi && tiles_offered(fi, ULB_TILES_LANES) && (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI)
+               ? ULB_TILES_LANES
+               : ULB_TILES_VNNI;
 }
 
 ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
@@ -174,8 +241,8 @@ ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
     w->M_pad = h.M_pad;
     w->K_pad = h.K_pad;
     w->n_groups = h.n_groups;
-    w->ksteps = h.K_pad / ulb_tile_k(fi->bits);
-    w->gsteps = h.group_size / ulb_tile_k(fi->bits);
+    w->ksteps = h.K_pad / fi->tile_k;
+    w->gsteps = h.group_size / fi->tile_k;
     w->panels = blob + ULB_HEADER_BYTES;
     return ULB_OK;
 }

@@ -36,8 +36,10 @@
 
 static inline int64_t ulb_round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-/* Columns per tile: 32 for 1-bit codes, 16 for 2-bit, 8 for 4-bit, 4 for 8-bit. */
-static inline int64_t ulb_tile_k(int bits) { return 32 / bits; }
+/* Columns per tile: 32 for 1-bit codes, 16 for 2-bit, 8 for 4-bit, 4 for 8-bit
+ * (the format table's tile_k). */
+#define ULB_TILE_K(bits) (32 / (bits))
+static inline int64_t ulb_tile_k(int bits) { return ULB_TILE_K(bits); }
 
 /* Tiles in panel p (4, or fewer in the last panel). */
 static inline int ulb_panel_ntiles(int64_t M_pad, int64_t p) {

@@ -48,7 +48,6 @@
 
 #include "internal.h"
 
-#define PREFETCH_MAX_BYTES (1 << 20)
 #define SHORT_GROUP_BYTES (40 << 10)
 #define NWIDTHS 4
 static const int WIDTHS[NWIDTHS] = {1, 2, 4, 8};
@@ -63,7 +62,7 @@ static int width_index(int bits) {
 }
 
 static int valid_setting(int64_t bytes) {
-    return bytes == ULB_PREFETCH_AUTO || (bytes >= 0 && bytes <= PREFETCH_MAX_BYTES && bytes % 64 == 0);
+    return bytes == ULB_PREFETCH_AUTO || (bytes >= 0 && bytes <= ULB_PREFETCH_MAX && bytes % 64 == 0);
 }
 
 static void prefetch_init(void) {

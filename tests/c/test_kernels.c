@@ -56,13 +56,44 @@ static int check_int_dots(const uint8_t *blob, int64_t nb, int64_t N, int extrem
     return fails;
 }
 
-/* Every format in its VNNI tiles, and 1-bit codes in LANES tiles too. */
-static const struct form {
+/* Every format of the table in every tile order it offers (forms_init). */
+#define MAX_FORMS 64
+static struct form {
     int fmt, tiles;
-} FORMS[] = {{ULB_FMT_INT2, ULB_TILES_VNNI},   {ULB_FMT_INT2_SYM, ULB_TILES_VNNI}, {ULB_FMT_TERNARY, ULB_TILES_VNNI},
-             {ULB_FMT_BINARY, ULB_TILES_VNNI}, {ULB_FMT_BINARY, ULB_TILES_LANES},  {ULB_FMT_INT8, ULB_TILES_VNNI},
-             {ULB_FMT_INT4, ULB_TILES_VNNI}};
-#define N_FORMS (int)(sizeof FORMS / sizeof FORMS[0])
+} FORMS[MAX_FORMS];
+static int N_FORMS;
+
+/* FORMS from the format table, and the table's own consistency: ids unique
+ * and found by ulb_format_get, tile_k = 32 / bits, codes within their bits,
+ * levels within int8 (the kernels keep them in bytes), level_a 1 or 2 (the
+ * AMX GEMM adds codes once or twice), every format in VNNI tiles. */
+static int forms_init(int *n) {
+    int fails = 0;
+    fails += ulb_format_info_size() != sizeof(ulb_format_info) || ulb_format_at(-1) ||
+             ulb_format_at(ulb_format_count()) || ulb_format_get(0) || ulb_format_count() < 1;
+    fails += ulb_constants_size() != sizeof(ulb_constants);
+    ulb_constants c;
+    ulb_constants_get(&c);
+    fails += c.max_k != ULB_MAX_K || c.max_m != ULB_MAX_M || c.tiles_count != ULB_TILES_COUNT ||
+             c.prefetch_max != ULB_PREFETCH_MAX || c.slowdown_max != ULB_SLOWDOWN_MAX;
+    for (int t = 0; t < ULB_TILES_COUNT; t++) fails += ulb_tiles_name(t) == NULL;
+    fails += ulb_tiles_name(ULB_TILES_COUNT) != NULL;
+    for (int i = 0; i < ulb_format_count(); i++) {
+        const ulb_format_info *fi = ulb_format_at(i);
+        const int lo = fi->level_b, hi = fi->level_a * fi->max_code + fi->level_b;
+        if (ulb_format_get(fi->id) != fi || fi->tile_k * fi->bits != 32 || fi->max_code >= (1 << fi->bits) ||
+            fi->max_code < 1 || lo < -128 || hi > 127 || (fi->level_a != 1 && fi->level_a != 2) ||
+            !(fi->tiles & (1u << ULB_TILES_VNNI)) || fi->tiles >> ULB_TILES_COUNT || !fi->name || !fi->aliases ||
+            !fi->bits_name || !fi->module) {
+            printf("format table row %d (%s) inconsistent\n", i, fi->name);
+            fails++;
+        }
+        for (int t = 0; t < ULB_TILES_COUNT; t++)
+            if (fi->tiles >> t & 1 && N_FORMS < MAX_FORMS) FORMS[N_FORMS++] = (struct form){fi->id, t};
+    }
+    (*n)++;
+    return fails;
+}
 
 /* Largest codes times -128 and times 127 over a long single group: the
  * widest 16- and 32-bit sums any kernel keeps (-128 zeroes the 1-bit lookup
@@ -565,6 +596,7 @@ static int check_linear_many(int fmt, int tiles, int decode, ulb_dtype dt, int *
 
 int main(void) {
     int fails = 0, n = 0;
+    fails += forms_init(&n);
     /* The lookup kernels wherever they run, not only where "auto" takes them. */
     if (ulb_lut1_set(2) != ULB_ERR_SHAPE) { printf("ulb_lut1_set took mode 2\n"); fails++; }
     ulb_lut1_set(ULB_LUT1_ON);

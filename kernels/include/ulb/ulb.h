@@ -53,21 +53,36 @@ typedef enum {
     ULB_FMT_INT4 = 6      /* levels -8..7:        q - 8 (llama.cpp's Q4_0 levels) */
 } ulb_format;
 
+/* One row of the format table (src/format.c), the single source every layer
+ * reads: Python reads it through ulb_format_at at import. A new level map at
+ * an existing code width is one row there. */
 typedef struct {
-    int bits;     /* storage bits per weight: 1, 2, 4 or 8 */
-    int level_a;  /* level = level_a * q + level_b */
-    int level_b;
-    int max_code; /* largest valid code */
-    const char *name;
+    int id;                /* the ulb_format value */
+    const char *name;      /* "int2_sym" */
+    int bits;              /* storage bits per code: 1, 2, 4 or 8 */
+    int level_a, level_b;  /* level = level_a * q + level_b */
+    int max_code;          /* largest valid code */
+    int tile_k;            /* input columns per tile (32 / bits): K pads to a multiple, group sizes are multiples */
+    unsigned tiles;        /* bit (1u << t) set for each ulb_tiles order it may be packed in */
+    const char *aliases;   /* comma-separated spellings of quantize_'s `bits` that choose it: "2"; "ternary,1.58"; "" for none */
+    const char *bits_name; /* the `bits` a config of this format reports: "1", "ternary", "2" (both 2-bit maps), "4", "8" */
+    const char *module;    /* the ulbtorch.nn class that holds it: "Linear2Bit" */
+    int module_default;    /* 1 for the format that class builds when none is named */
 } ulb_format_info;
 
-/* NULL for an unknown format. */
+/* Rows in the table. */
+int ulb_format_count(void);
+/* Row i in table order (0 <= i < ulb_format_count()), else NULL. */
+const ulb_format_info *ulb_format_at(int i);
+/* The row of format id `format`; NULL for an unknown one. */
 const ulb_format_info *ulb_format_get(int format);
+/* sizeof(ulb_format_info), so that a mirror of the struct (ctypes) can be checked. */
+size_t ulb_format_info_size(void);
 
 /* Rows of one panel: threads split work in whole panels. */
 #define ULB_PANEL_ROWS 64
-/* K is padded to a multiple of 32 (1-bit), 16 (2-bit), 8 (4-bit) or 4 (8-bit)
- * columns; group sizes must be multiples of the same. */
+/* K is padded to a multiple of the format's tile_k columns; group sizes must
+ * be multiples of the same. */
 
 /* How the codes of a 64-byte tile of 16 rows are arranged (src/layout.h).
  * VNNI: byte 4l + b of row l, so that a field masked in place is a VNNI4
@@ -77,7 +92,10 @@ const ulb_format_info *ulb_format_get(int format);
  * SIMD kernels turn such a tile into VNNI order in registers (the portable
  * one in a copy; the scalar reference reads codes through layout.h). */
 typedef enum { ULB_TILES_VNNI = 0, ULB_TILES_LANES = 1 } ulb_tiles;
+#define ULB_TILES_COUNT 2
 #define ULB_TILES_PREFERRED (-1)
+/* "vnni", "lanes"; NULL for another value. */
+const char *ulb_tiles_name(int tiles);
 
 typedef struct {
     uint32_t magic;   /* ULB_MAGIC */
@@ -265,6 +283,7 @@ int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa);
  * nthreads threads, group_code_bytes of codes in one group of one 64-row
  * panel; 0 for another width. */
 #define ULB_PREFETCH_AUTO (-1)
+#define ULB_PREFETCH_MAX (1 << 20) /* the largest distance */
 ulb_status ulb_prefetch_get(int bits, int64_t *bytes);
 ulb_status ulb_prefetch_set(int bits, int64_t bytes);
 int64_t ulb_prefetch_resolve(int bits, int nthreads, int64_t group_code_bytes);
@@ -310,6 +329,27 @@ void ulb_sched_set_static(int on);
  * larger one would stall the next call for minutes). */
 #define ULB_SLOWDOWN_MAX 1000.0
 ulb_status ulb_sched_set_slowdown(int tid, double factor);
+
+/* ---- constants ------------------------------------------------------------ */
+
+/* The macros above as values, for callers that cannot read a header
+ * (Python's ctypes). */
+typedef struct {
+    int64_t max_m, max_k;          /* ULB_MAX_M, ULB_MAX_K */
+    int max_threads;               /* ULB_MAX_THREADS */
+    int panel_rows;                /* ULB_PANEL_ROWS */
+    int isa_count;                 /* ULB_ISA_COUNT (names: ulb_isa_name) */
+    int tiles_count;               /* ULB_TILES_COUNT, the number of ulb_tiles orders */
+    int tiles_preferred;           /* ULB_TILES_PREFERRED */
+    int lut1_off, lut1_on, lut1_auto; /* ULB_LUT1_OFF, _ON, _AUTO */
+    int64_t prefetch_auto, prefetch_max; /* ULB_PREFETCH_AUTO, ULB_PREFETCH_MAX */
+    int probe_max_streams;         /* ULB_PROBE_MAX_STREAMS */
+    double slowdown_max;           /* ULB_SLOWDOWN_MAX */
+} ulb_constants;
+
+void ulb_constants_get(ulb_constants *out);
+/* sizeof(ulb_constants), so that a mirror of the struct can be checked. */
+size_t ulb_constants_size(void);
 
 #ifdef __cplusplus
 }
