@@ -166,8 +166,8 @@ int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa) {
     if (tiles == ULB_TILES_LANES) return ntokens <= ULB_LUT1_MAX_TOKENS && ulb_lut1_available(isa);
 #if defined(__x86_64__)
     /* VNNI tiles: one token on one thread; with two the masking kernel
-     * streams better and the tables only add cache traffic (0.67-0.90x cold,
-     * benchmarks/c/ab_builds.sh), and under "auto" only where it paid (ulb.h). */
+     * streams better and the tables only add cache traffic
+     * (benchmarks/c/ab_builds.sh), and under "auto" only where it paid (ulb.h). */
     return tiles == ULB_TILES_VNNI && ntokens == 1 && nthreads <= 1 && lut1_vnni_available(isa) &&
            (mode == ULB_LUT1_ON || ulb_cpu_intel() || ulb_cpu_amd_family() == 0x19);
 #else

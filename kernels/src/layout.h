@@ -20,10 +20,9 @@
  * one per row of the panel) followed by its codes:
  *   [panel][group][scales: nt x 16 fp32 | codes: k-step][tile][64 bytes]
  * so a kernel reads every byte it needs in address order. One stream per
- * core matters: on the Zen 4 of benchmarks/results a core reading four
- * interleaved streams loses ~35% of its DRAM bandwidth to the prefetcher,
- * and the scales kept apart (blob version 1) cost a one-thread cold GEMV
- * 1-6% (2-bit) and 5-8% (1-bit). */
+ * core matters: a core reading several interleaved streams loses DRAM
+ * bandwidth to the prefetcher on the Zen 4 of benchmarks/results, and the
+ * scales kept apart (blob version 1) slowed a cold GEMV. */
 #ifndef ULB_LAYOUT_H
 #define ULB_LAYOUT_H
 

@@ -34,20 +34,12 @@ static ulb_lut1_build_fn use_lut1(const ulb_weight *w, int64_t N, int nthreads, 
 }
 
 /* Whether a call reads two panels at once where the ISA has a pair kernel:
- * one token, and panels long enough. 2-bit on Zen 3 (benchmarks/c/ab_builds.sh):
- * 9 KiB panels (K = 576) ran 0.92-0.96x with pairs, 24 KiB (K = 1536)
- * 0.99-1.03x, 32 KiB and more (K >= 2048) 1.02-1.07x; at K = 4096 int4 1.31-1.36x and
- * int8 1.30x (1 thread) / 1.13x (2), 1.13x at 1024x2048 on 2. The 1-bit
- * lookups: one thread 1.03-1.09x from 16 KiB panels (K = 2048) on; two
- * threads 0.95x on 16 KiB panels (1024x2048), 0.99-1.04x (2048x2048),
- * 1.02x on 32 KiB (4096x4096), so from 32 KiB there.
- * Per-channel int4 under the AVX2 kernels on Intel (the only pair kernel
- * for int4; the AVX-512 ones read one panel at a time anyway) streams better
- * one panel at a time: on the Xeon VM of benchmarks/results/xeon_amx with
- * ULB_ISA=avx2, ab_builds.sh in both orders (the build run second reads
- * 4-5% faster here whatever it is), pairs 0.99x at 4096x4096 on one thread,
- * 0.97x on two, 0.94-0.95x at 14336x4096 and 2048x2048 on two; so no
- * pairs there on Intel. (Not run by this machine's tests: covered on AMD.) */
+ * one token, and panels long enough (from 16 KiB; the 1-bit lookups on
+ * several threads from 32 KiB): on shorter panels pairs cost more than they
+ * gain (benchmarks/c/ab_builds.sh). Per-channel int4 under the AVX2 kernels
+ * on Intel (the only pair kernel for int4; the AVX-512 ones read one panel
+ * at a time anyway) streams better one panel at a time, so no pairs there.
+ * (Not run by this machine's tests: covered on AMD.) */
 #define PAIR_MIN_PANEL_BYTES (16 << 10)
 static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
     const int64_t panel = ulb_panel_offset(w->ksteps, w->n_groups, 1);
@@ -58,8 +50,7 @@ static int use_pairs(const ulb_weight *w, int64_t N, int nthreads) {
 
 /* Whether a one-token call on w sends its results through the output ring
  * (one_token_panels) rather than an M-float buffer: not for 1-bit codes,
- * whose lookup kernel with groups of 128 ran 0.93-0.97x with it (one
- * thread, both orders of benchmarks/c/ab_builds.sh; per channel 0.99x). */
+ * whose lookup kernel ran slower with it (benchmarks/c/ab_builds.sh). */
 static int ring_output(const ulb_weight *w) { return w->bits != 1; }
 
 /* Bytes of int8 activations to allocate for N tokens: a GEMM kernel reads
@@ -141,11 +132,9 @@ typedef struct {
  * the weight streams start while the activations are quantised, instead of
  * after it and after the fork, and a prefill's rows are quantised by every
  * thread. A thread waits only once every row is claimed by a thread already
- * at work, so it cannot deadlock. Against quantising before the fork
- * (benchmarks/c/ab_builds.sh, both orders, one token): two threads +1.5-7% on
- * 0.4-1 MiB 2-bit matrices and +7% on a 0.25 MiB 1-bit one, one thread +1-2%
- * on small matrices, unchanged from 4 MiB; without the prefetch it loses
- * (0.94-0.985x), with 4 or 16 KiB of it 0.98-1.00x. */
+ * at work, so it cannot deadlock. Against quantising before the fork it
+ * gains on small matrices and is unchanged on large ones, but only with the
+ * prefetch of ULB_WARM_BYTES (benchmarks/c/ab_builds.sh). */
 static void warm(const uint8_t *first, const uint8_t *end) {
     for (int64_t o = 0; o < ULB_WARM_BYTES && o < end - first; o += 64) __builtin_prefetch(first + o, 0, 2);
 }
@@ -153,9 +142,7 @@ static void warm(const uint8_t *first, const uint8_t *end) {
 /* A thread alone prefetches before it quantises, so that its stream starts
  * under the quantisation (and the 1-bit tables). With other threads waiting
  * for the activations, a thread quantises first: its loads of x would queue
- * behind its own prefetches, which cost a one-token call on two threads
- * 1-4% on 0.2-0.5 MiB matrices in minutes of high bandwidth; alone, that
- * order loses 1-2% (benchmarks/README.md). */
+ * behind its own prefetches, and the others wait for them. */
 static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end) {
     if (job->warm_first) warm(first, end);
     for (;;) {
@@ -167,7 +154,7 @@ static int acts_ready(linear_job *job, const uint8_t *first, const uint8_t *end)
         /* Release: whoever reads the final count sees every claimed row's bytes. */
         atomic_fetch_add_explicit(&job->acts_done, r1 - r0, memory_order_release);
         /* Claiming past the end would pull the line the waiters spin on back
-         * across cores: 1-2.5% of a one-token call. */
+         * across cores. */
         if (r1 == job->N) break;
     }
     if (!job->warm_first) warm(first, end);
@@ -186,8 +173,7 @@ static int64_t panel_rows(const ulb_weight *w, int64_t p0, int64_t p1, int64_t *
 /* The calling thread's panels through the GEMM kernel, a block of tokens at
  * a time, every panel for one block before the next: a block's activations
  * (128 x K bytes under AMX) then stay in L2 while the codes, a quarter as
- * many bytes per column of a panel or fewer, are read again for each block.
- * The other order ran N = 512 1.3x slower. */
+ * many bytes per column of a panel or fewer, are read again for each block. */
 static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64_t p1) {
     const ulb_weight *w = job->w;
     const ulb_gemm_kernel *k = job->gemm;
@@ -216,14 +202,11 @@ static void gemm_panels(linear_job *job, const ulb_acts *acts, int64_t p0, int64
  * (ulb_out.stream), where ring_output says so. Results written to an
  * M-float buffer as the panels finish, and y written with plain stores, are
  * lines the weight stream has pushed out of L2: their reads for ownership
- * and scattered write-backs amid the stream cost a one-thread cold 2-bit
- * GEMV 2-5% at 4-14 MiB (Xeon VM, benchmarks/c/ab_builds.sh both orders;
- * the ring alone or the streaming stores alone gained nothing;
+ * and scattered write-backs amid the stream slow it (benchmarks/c/ab_builds.sh;
+ * neither the ring alone nor the streaming stores alone help;
  * benchmarks/c/read_widths.c shows the same on the kernel's bare loop).
- * The next layer then reads y from memory, not cache: falcon3-1b decode ran
- * 0.99-1.00x with streaming against without (one process, alternating, 1
- * and 2 threads). An output step per panel ran 2-3% slower than one per
- * thread at K = 2048 when that was measured. */
+ * The next layer then reads y from memory, not cache, which decode did not
+ * notice. One output step per thread, not per panel. */
 #define RING_PANELS 8
 
 /* The output step of panels [c0, c1), whose results start at facc. */

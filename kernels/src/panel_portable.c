@@ -9,7 +9,7 @@
  * (layout.h), so a field times the four activations of its k-quad, repeated
  * every 4 lanes, is one lane-wise multiply; the loops run over 8 lanes at
  * a time against an 8-lane copy of those activations (a 64-lane copy per
- * field ran 2-bit codes 8x slower).
+ * field was far slower).
  * Lanes sum per k-step in int16 (|sum| <= 254 * 128 for 8-bit codes' one
  * field, 4 * 3 * 128 for 2-bit's four) and per group in int32; the four
  * lanes of a row add at the group's end. */
@@ -21,7 +21,7 @@
 #define PAT 8
 /* GCC 12 vectorises the loop over a tile's lanes with up to 4 fields inside
  * (2-bit codes), not 8 (1-bit codes): those take two passes of 4, unrolled
- * (left as a loop, the two passes kept 1-bit codes scalar: 6.4x slower). */
+ * (left as a loop, the two passes kept 1-bit codes scalar). */
 #define FIELDS_AT_ONCE 4
 
 /* A tile of order `tiles` in VNNI order: as it is, or a LANES tile

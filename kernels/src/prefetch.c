@@ -5,39 +5,26 @@
  * AVX-512 kernel for several tokens of 1- and 2-bit codes, tokens_group_slots,
  * prefetches a panel ahead instead, and not at all at distance 0.)
  *
- * The automatic rule, measured with cold GEMVs, each distance timed in turn
- * in one process (benchmarks/c/prefetch_sweep.c through the C API,
- * benchmarks/prefetch_ab.py through the op; numbers in benchmarks/README.md):
+ * The automatic rule, chosen by timing cold GEMVs at each distance in turn in
+ * one process (benchmarks/c/prefetch_sweep.c through the C API,
+ * benchmarks/prefetch_ab.py through the op; the measurements are in
+ * benchmarks/results/notes_from_code.md):
  * - 1 bit, every CPU: 16 KiB. The 1-bit kernels spend more instructions per
- *   byte and stream only with it (none: 0.50-0.66x on Zen 4). 8 KiB:
- *   0.98-1.00x on Zen 4 and on a Xeon, on Zen 5 0.95-1.02x (masking, one
- *   and two threads; the lookup kernel, not taken there, ran 1.06-1.14x
- *   with it on one thread); 32 KiB 0.98x on Zen 4, on the Xeon 1.02x on one
- *   thread and 0.92x on 16.
- * - 2, 4 and 8 bits on Intel: 8 KiB. On a 16-core Xeon VM, none runs 2-bit
- *   at 0.68-0.79x of it (one thread, 4 and 16 threads), 0.87x on a 0.5 MiB
- *   matrix on 16 threads; int4 0.83-0.84x, int8 0.87-0.90x; 4 and 16 KiB
- *   are within 0.97-1.05x of 8 KiB.
- * - 2 bits on AMD from Zen 5 (family 1Ah) on: 8 KiB. On Zen 5 it ran
- *   1.03-1.19x faster than none on one thread and 1.02-1.10x on two (K from
- *   2048 to 14336); 4 and 16 KiB mostly fell between the two.
+ *   byte and keep up with memory only with a prefetch.
+ * - 2, 4 and 8 bits on Intel: 8 KiB; no prefetch there leaves the stream
+ *   well short of the memory's speed.
+ * - 2 bits on AMD from Zen 5 (family 1Ah) on: 8 KiB.
  * - Elsewhere (2 bits on Zen 4 and other vendors' CPUs, 4 and 8 bits on
  *   AMD): 8 KiB only when one thread runs the call and a panel's group
  *   holds at most 40 KiB of codes (K <= 2560 with per-channel 2-bit scales,
  *   any K with groups of 128 or less): the group step then comes often
  *   enough that the stream stalls behind it, and one core alone cannot hide
- *   that (Zen 4: 2-bit 1.02-1.13x at K = 2048 and 2560, int4 with groups of
- *   32 1.06-1.13x). On two threads 8 KiB ran 0.95-0.97x on Zen 4, and on
- *   one thread at K = 4096 (64 KiB groups) 0.91-0.99x through the op, so
- *   none there. On Zen 5 int4 and int8 with per-channel scales run
- *   0.93-1.06x with 8 KiB, so they keep this rule.
- * - 2, 4 and 8 bits under the AVX2 kernels (and their AVX-VNNI build, not
- *   measured: no such CPU here), every CPU: 8 KiB. Without
- *   vpdpbusd they spend ~2x the instructions per byte of the AVX-512 ones,
- *   like the 1-bit kernels, and stream only with it: on a Zen 3 VM (AVX2
- *   only) a 2-bit cold GEMV ran 1.36x faster with it at 4096x4096 on one
- *   thread, 1.26x on two, 1.22x at 640x2560 on two; 2, 4 and 16 KiB within
- *   1% of 8.
+ *   that. On two threads, or with longer groups, the prefetch costs more
+ *   than it gains there, so none.
+ * - 2, 4 and 8 bits under the AVX2 kernels (and their AVX-VNNI build),
+ *   every CPU: 8 KiB. Without vpdpbusd they spend about twice the
+ *   instructions per byte of the AVX-512 ones and, like the 1-bit kernels,
+ *   keep up with memory only with a prefetch.
  * The read probe (probe.c) reads as the AVX-512 2-bit kernel does, whatever
  * the ISA: it stands for the memory, not for a kernel. */
 #include <pthread.h>

@@ -4,25 +4,22 @@
  * meant to be this CPU's best plain read:
  * - It prefetches as far ahead as the AVX-512 2-bit kernel on long groups
  *   (the 2-bit setting resolved for a group of unbounded length), whatever
- *   ISA is active: with 8 or 16 KiB ahead the plain loop reads 0.83-0.88x as
- *   fast on Zen 4 and 1.13-1.44x as fast on a Xeon, whose cores stream
- *   10-11 GB/s without it; so none on AMD, 8 KiB on Intel.
+ *   ISA is active: the plain loop loses with a prefetch on Zen 4 and gains
+ *   on a Xeon; so none on AMD, 8 KiB on Intel.
  * - Where AVX2 (or AVX-VNNI) is the CPU's best ISA it reads with 32-byte
  *   loads (ulb_probe_sum_avx2): on a Zen 3 (AVX2 only) the plain loop's 8-
- *   and 16-byte loads read 0.85-0.93x as fast (benchmarks/c/read_widths.c),
- *   and with 8 KiB ahead that plain loop gains only 1.01-1.12x, while the
- *   32-byte loop loses with it (0.84-0.91x, prefetch_sweep), so the prefetch
+ *   and 16-byte loads read slower (benchmarks/c/read_widths.c), and the
+ *   32-byte loop loses with a prefetch (prefetch_sweep), so the prefetch
  *   rule above stands. Intel CPUs of that kind (32-byte loads with 8 KiB
  *   ahead) have not been measured.
  * - One thread reading one sequential run may not draw all the bandwidth its
- *   core can: on the Zen 3 VM of benchmarks/results one core reads 17-20
- *   GB/s from one run and 26-28 from four runs read a line of each in turn
- *   (two cores: 29-32 against 34-37). ulb_read_probe_streams reads each
- *   thread's share, 1 MiB at a time, as `streams` such runs (runs of a whole
- *   share lie hundreds of MiB apart on big buffers and there fell to 0.9x of
- *   one run). ulb_read_probe reads one run, the access pattern of the GEMV
- *   kernels; the benchmarks time both and take the faster as the machine's
- *   read bandwidth. */
+ *   core can (on the Zen 3 VM of benchmarks/results several interleaved
+ *   runs read faster). ulb_read_probe_streams reads each thread's share,
+ *   1 MiB at a time, as `streams` such runs (runs of a whole share lie far
+ *   apart on big buffers and read slower there than one run).
+ *   ulb_read_probe reads one run, the access pattern of the GEMV kernels;
+ *   the benchmarks time both and take the faster as the machine's read
+ *   bandwidth. */
 #include <stdatomic.h>
 
 #include "internal.h"
@@ -66,8 +63,7 @@ static uint64_t sum_plain(const uint64_t *q, int64_t words, int streams, int64_t
 }
 
 /* Where AVX2 is the CPU's best ISA, ulb_probe_sum_avx2; on AVX-512 CPUs the
- * plain loop: on Zen 4 32-byte loads read 0.97-1.00x as fast as it and
- * 64-byte ones 0.85-0.88x (benchmarks/README.md). */
+ * plain loop, which wider loads did not beat on Zen 4. */
 static ulb_probe_sum_fn probe_sum_for_cpu(void) {
 #if defined(__x86_64__)
     const ulb_isa best = ulb_isa_best();

@@ -6,11 +6,10 @@
 
 #define EMA_GAIN 0.3
 /* Calls shorter than this update the table with a proportionally smaller
- * gain: their per-thread times are mostly noise (wake-up, DRAM hiccups). On
- * a 2-thread cold 1024x2048 GEMV (~20 us) the full gain swung a thread's
- * share between 0.40 and 0.60 from call to call, i.e. splits as uneven as
- * 10/6 of its 16 panels. The table is per kernel family, so the long calls
- * of the same model keep it current. */
+ * gain: their per-thread times are mostly noise (wake-up, DRAM hiccups), and
+ * the full gain swung short calls' splits far from even from call to call.
+ * The table is per kernel family, so the long calls of the same model keep
+ * it current. */
 #define FULL_GAIN_US 100.0
 /* A thread keeps at least this fraction of an equal share, so it stays
  * measured and can win work back when it speeds up again. */

@@ -10,8 +10,8 @@
  * same bits.
  *
  * Why AMX: on a CPU with it, torch's bf16 F.linear runs on AMX's bf16 tiles,
- * at ~4x the multiply-adds per cycle of AVX-512 vpdpbusd; the int8 tiles do
- * twice what the bf16 ones do.
+ * at several times the multiply-adds per cycle of AVX-512 vpdpbusd; the
+ * int8 tiles do twice what the bf16 ones do.
  *
  * Tiles: tmm0-3 hold the sums of the panel's 4 row tiles for 16 tokens,
  * tmm4 the activations (16 tokens x kblk), tmm5-7 the B tiles in turn. */
@@ -29,7 +29,7 @@
 
 /* k-blocks unpacked at a time: 32 KiB of B tiles for a full panel, which
  * every block of tokens reads from L1; the whole panel's codes unpacked at
- * once (64 x K bytes) were written to and read from L2, 1.3x slower. */
+ * once (64 x K bytes) were written to and read from L2, slower. */
 #define AMX_CHUNK_BLOCKS 8
 
 /* k-columns one TDPBSSD covers: 64, or the whole group where groups are
@@ -203,9 +203,8 @@ static void amx_panel(const ulb_weight *w, int64_t p, const ulb_acts *a, int64_t
             __asm__ volatile("" ::: "memory");
             /* In the group's last chunk, the step of each block of tokens
              * after the tiles of the next: the vector units work on one while
-             * AMX works on the other. With the signed levels and the sums of
-             * two tiles in turn, this took a 2048x2048 call with groups of 128
-             * from 1050 to 620-690 us in cache (N = 128, one thread). */
+             * AMX works on the other (with the signed levels and the sums of
+             * two tiles in turn). */
             for (int tb = 0; tb <= nblk; tb++) {
                 if (tb < nblk)
                     tiles_chunk(chunk, nt, c1 - c0, kblk,

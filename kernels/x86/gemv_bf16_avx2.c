@@ -78,13 +78,11 @@ ALWAYS_INLINE void rows_lockstep(const uint16_t *w, int64_t ldw, int64_t K, int6
     }
 }
 
-/* Four rows at once, a quarter of the block apart: one core here reads DRAM
- * far faster as several runs, a line of each in turn, than as one (16-17
- * against 23-27 GB/s, benchmarks/results/README.md, Zen 3), and the rows of
- * a block are one run. A cold 2048x2048 GEMV on one thread 1.56x (two rows:
- * 1.31x), where reading 1-4 KiB of each of two rows in turn lost. The
- * accumulators spill; at ~14 cycles of DRAM time per chunk that costs
- * nothing. */
+/* Four rows at once, a quarter of the block apart: a Zen 3 core reads DRAM
+ * far faster as several runs, a line of each in turn, than as one, and the
+ * rows of a block are one run (two rows gain less; reading 1-4 KiB of each
+ * of two rows in turn lost). The accumulators spill, which costs nothing
+ * next to the DRAM time of a chunk. */
 void ulb_gemv_bf16_rows_avx2(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                              float *out) {
     const int64_t full = K / 32, rest = K % 32, q = rows / ROWS_LOCKSTEP;

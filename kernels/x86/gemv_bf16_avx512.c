@@ -4,18 +4,16 @@
  * added in the order of ref/gemv_bf16_ref.c; four accumulator sets hide the
  * FMA latency. The activations stay bf16 and are widened again for every
  * chunk: as fp32 (4K bytes) they left L1 from K = 4096 on, and those L2
- * reads cut the stream to 35-70% of DRAM speed on Zen 4
+ * reads slowed the stream well below DRAM speed on Zen 4
  * (benchmarks/gemv_bf16.py).
  *
  * How many rows to read at once depends on the CPU (isa.c picks):
- * - one (ulb_gemv_bf16_rows_avx512): on Zen 4, one sequential stream read
- *   92-100% of a stream read of lm_head, two rows per pass 40-60%;
+ * - one (ulb_gemv_bf16_rows_avx512): on Zen 4 one sequential stream reads
+ *   about as fast as a plain read, and two rows per pass far slower;
  * - two, half a block apart (ulb_gemv_bf16_rows2_avx512): on the Xeon VM of
- *   benchmarks/results/xeon_amx one row read 73-84% of the probe, two
- *   1.10-1.24x faster than one from 4 KiB pages and 1.02-1.14x from 2 MiB
- *   pages (benchmarks/c/ab_builds.sh, format 16; 1.02x on 1024x2048 on two
- *   threads, 1.10-1.14x on 2048x2048 and the lm_heads), three no better
- *   than two, four (whose 32 accumulators spill) 1.03-1.07x. */
+ *   benchmarks/results/xeon_amx one row fell short of the probe and two
+ *   ran faster (benchmarks/c/ab_builds.sh, format 16); three were no better
+ *   than two, and four spill their 32 accumulators. */
 #pragma GCC target("avx512f,avx512bw")
 #include <immintrin.h>
 

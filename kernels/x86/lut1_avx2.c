@@ -5,8 +5,7 @@
  * slot b of all 16 rows, so one 16-entry table per lane and nibble gives
  * each row's partial dot product over 4 columns. Masking fields of VNNI
  * tiles takes 50 vector operations per 64-byte tile and k-step; this takes
- * 26: on Zen 3 in cache 23.1-23.6 GB/s of codes against 12.7, from DRAM
- * 1.25-1.45x (benchmarks/README.md).
+ * 26, which shows in cache and from DRAM.
  *
  * Tables, per token and k-step ks (32 columns), ULB_LUT1_STEP_BYTES bytes:
  * eight 32-byte vectors T[h][f][kind] at 32 (4h + 2f + kind), whose lane j
@@ -18,10 +17,10 @@
  * two halves of the tile: 16 columns) add in unsigned bytes, at most 240, so
  * vpmaddubsw of (L, H) pairs by [1, 16] makes L + 16 H in [0, 4080] per row
  * and lane; 16 k-steps sum to at most 65280 in unsigned 16 bits, widened
- * with the bias taken off. Exact, so bit for bit the reference. Looping k-step by k-step
- * over the tiles, each k-step's tables loaded once, ran 1.10x faster in
- * cache than tile by tile over a chunk; adding in bytes across the halves
- * (not in 16 bits) another 1.12x. */
+ * with the bias taken off. Exact, so bit for bit the reference. The loop runs
+ * k-step by k-step over the tiles, each k-step's tables loaded once, rather
+ * than tile by tile over a chunk, and adds in bytes across the halves (not
+ * in 16 bits): both faster in cache. */
 #pragma GCC target("avx2")
 #include <immintrin.h>
 #include <string.h>

@@ -1,9 +1,9 @@
 /* One-token 1-bit GEMV by table lookup (AVX-512 VBMI + VNNI), after T-MAC:
  * vpermb looks up the partial dot product of 4 weights at once and two
  * lookups add in a byte, so one vpdpbusd sums 32 weights per row instead of
- * 4. On Zen 4 this runs 1-bit codes 1.3x faster in cache than masking fields
- * for vpdpbusd
- * (benchmarks/c/kernel_hot.c) and stays exact: every table entry fits a byte.
+ * 4. On Zen 4 this runs 1-bit codes faster in cache than masking fields for
+ * vpdpbusd (benchmarks/c/kernel_hot.c) and stays exact: every table entry
+ * fits a byte.
  * From DRAM it pays on some CPUs only (ulb.h); linear.c uses it for one
  * token on one thread where ulb_lut1_serves says.
  *
@@ -27,9 +27,8 @@
  * pairs of columns, Q[32hi + 16h + 4b + p] = sum_{i<2} bit_i(p) x'[16hi + 8h
  * + 4i + b] for the halves h of a nibble and both nibble fields hi, then
  * entry 16b + n of table hi = Q[.. h=0, p = n & 3] + Q[.. h=1, p = n >> 2].
- * That is 12 vpermb a k-step where summing single columns takes 16: 1.3x
- * faster, which matters as the tables are rebuilt every call (~0.5 us at
- * K = 2560). */
+ * That is 12 vpermb a k-step where summing single columns takes 16, which
+ * matters as the tables are rebuilt every call. */
 static __m512i index_vector(uint8_t (*entry)(int)) {
     uint8_t idx[64];
     for (int e = 0; e < 64; e++) idx[e] = entry(e);
@@ -105,9 +104,8 @@ ALWAYS_INLINE void lut1_loop(const uint8_t *codes, int64_t ks0, int64_t ks1, con
             const __m512i lo = _mm512_ternarylogic_epi32(v, m0f, slot, 0xEA);
             const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m0f, slot, 0xEA);
             /* Two entries of [0, 60] still fit a byte. On Zen 4 vpermb and
-             * vpdpbusd share a pipe and vpaddb runs on any: adding before the
-             * vpdpbusd instead of after runs 4% faster in cache (270 -> 282
-             * Gcode/s, kernel_hot 2048), within 1-2% either way from DRAM. */
+             * vpdpbusd share a pipe and vpaddb runs on any, so the lookups
+             * add before the vpdpbusd instead of after. */
             const __m512i l = _mm512_add_epi8(_mm512_permutexvar_epi8(lo, l_lo), _mm512_permutexvar_epi8(hi, l_hi));
             const __m512i h = _mm512_add_epi8(_mm512_permutexvar_epi8(lo, h_lo), _mm512_permutexvar_epi8(hi, h_hi));
             s[t] = _mm512_dpbusd_epi32(s[t], l, ones);

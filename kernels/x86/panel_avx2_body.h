@@ -71,11 +71,10 @@ ALWAYS_INLINE __m256i field(__m256i v, int f, const int bits) {
  * 3 gains from -4096 (all x = -128) to 4064 per k-step, so 8 k-steps fit
  * 16 bits exactly (tests/test_kernels.py, extremes): the loop runs tile by
  * tile over chunks of 8. 25 vector operations per 32 bytes of codes instead
- * of 32: 1.31x faster in cache on Zen 3 (kernel_hot: 9.7 -> 12.7 GB/s of
- * codes), where logic, adds and multiplies share three pipes. Broadcasting a
- * chunk's activations once into memory for all its tiles, or taking the
- * halves of a tile one at a time (no spills), measured 11.7 and 12.5; other
- * 1-bit kernels tried: benchmarks/results/README.md, Zen 3. */
+ * of 32, which shows on Zen 3 (kernel_hot), where logic, adds and multiplies
+ * share three pipes. Broadcasting a chunk's activations once into memory for
+ * all its tiles, or taking the halves of a tile one at a time (no spills),
+ * were slower; other 1-bit kernels tried: benchmarks/results, Zen 3. */
 #define ONE_BIT_CHUNK 8
 ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1, const int nt, const int8_t *x,
                                   int64_t pf_dist, const uint8_t *pf_end, __m256i acc[ULB_PANEL_TILES][2],
@@ -124,9 +123,8 @@ ALWAYS_INLINE void one_token_1bit(const uint8_t *codes, int64_t ks0, int64_t ks1
  * at most fields * 2*(2^bits - 1)*128 in magnitude, 3072 (2-bit) or 7680
  * (4-bit), so chunks of 10 or 4 fit. K-step by k-step over all tiles, so each
  * panel is still read as one stream; with np = 2, one k-step of each in turn
- * (see ulb_panel_pair_fn). On Zen 3 in cache (kernel_hot): 2-bit 23.0 -> 24.8
- * GB/s of codes, int4 40.8 -> 41.9-42.9; a cold 2-bit GEMV (ab_builds.sh)
- * 1.00-1.01x on one thread, 1.02-1.03x on two. */
+ * (see ulb_panel_pair_fn). Faster in cache on Zen 3 (kernel_hot), and no
+ * slower cold (ab_builds.sh). */
 ALWAYS_INLINE void one_token_fields(const uint8_t *const *codes, const int np, int64_t ks0, int64_t ks1,
                                     const int nt, const int8_t *x, int64_t pf_dist, const uint8_t *pf_end,
                                     __m256i acc[][ULB_PANEL_TILES][2], const int bits) {
@@ -328,15 +326,15 @@ ALWAYS_INLINE void one_token(const ulb_weight *w, int64_t p, int ntiles, const u
         return;
 
 /* prefetch (a constant): whether to prefetch at all; without it the prefetch
- * code is compiled out (a zero distance tested in the tile loop cost the
- * AVX-512 2-bit one-token loop 6-13% on Zen 4). */
+ * code is compiled out (a zero distance tested in the tile loop slowed the
+ * AVX-512 2-bit one-token loop on Zen 4). */
 ALWAYS_INLINE void panel_bits(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
                               int nb, float *facc, int32_t *dots, const int bits, const int prefetch,
                               const int lanes) {
     const int64_t p = tile0 / ULB_PANEL_TILES;
     /* Several tokens with tables run a lookup pass each (the codes come from
-     * cache after the first): 26 operations per tile and token against ~36
-     * for masking shared by four tokens. */
+     * cache after the first): 26 operations per tile and token, fewer than
+     * masking shared by four tokens. */
     if (nb == 1 || (lanes && a->lut1)) {
         for (int j = 0; j < nb; j++)
             one_token(w, p, ntiles, a, n0 + j, facc + j * ULB_PANEL_ROWS,

@@ -9,18 +9,16 @@
 
 /* acc += u (u8) . broadcast of the 4 int8 at p, with the broadcast folded into
  * the instruction: GCC otherwise hoists the broadcasts into registers, and
- * the one-token loop (16 accumulators) then spills and loses 25%. */
+ * the one-token loop (16 accumulators) then spills. */
 ALWAYS_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
     return acc;
 }
 
 /* An 8-byte demand load of the line at p, result unused. One per tile beside
- * the 64-byte load lets the 2-bit one-token loop stream 1-8% faster from DRAM
- * on Zen 4 (most at K >= 4096, none at K <= 2560; A/B of two builds in one
- * process), as a plain 64-byte-load read loop speeds up from ~87% to ~101%
- * of a 16-byte-load one with it. The 1-bit kernels, with their software
- * prefetch, do not gain. The line touched is the next one in the blob, which
+ * the 64-byte load lets the 2-bit one-token loop stream faster from DRAM on
+ * Zen 4 on long rows, as it does a plain 64-byte-load read loop. The 1-bit
+ * kernels, with their software prefetch, do not gain. The line touched is the next one in the blob, which
  * ends with a line of padding for the last tile's touch. */
 ALWAYS_INLINE void touch_line(const uint8_t *p) {
     int64_t unused;
@@ -110,22 +108,15 @@ ALWAYS_INLINE void tokens_group(const uint8_t *codes, int64_t ks0, int64_t ks1, 
  * with a partial sum per token and slot as in one_token_group, fields masked
  * in place (1-bit fields 4..7 after one shift). A tile then costs 4 (2-bit)
  * or 9 (1-bit) vector operations besides its 4 x nb or 8 x nb vpdpbusd, not
- * 7 or 15, and the 4 x nb sums still form independent chains. In cache on Zen
- * 5 (benchmarks/c/kernel_hot.c, calls of 512 tokens, 4 a kernel call) 2-bit
- * went from 372 to 452-477 Gcode/s and 1-bit from 340 to 484-496.
+ * 7 or 15, and the 4 x nb sums still form independent chains
+ * (benchmarks/c/kernel_hot.c).
  * Reading a panel one tile at a time takes a line in every four, which
  * streams badly from DRAM; so the call on a panel's first tokens prefetches
  * the next panel (`ahead`: a panel's bytes) in order, a line for each tile it
  * reads, and has it in L2 when its turn comes. Cold, against tokens_group
- * (benchmarks/c/ab_builds.sh, 2048x2048 on one thread, 4096x4096 on two),
- * 2-bit calls of 2 tokens ran 0.90-0.94x this way, of 3 0.94-1.03x, of 4
- * 0.99-1.14x, of 5 1.08-1.12x (1.05-1.13x over prefetching each tile's own
- * line a panel ahead at 8 and 16 tokens; 0.74-0.76x at 4 with tokens_group's
- * distance); 1-bit ones 1.2-2.4x from 2 tokens on (of 4, 2.2-2.4x with
- * tokens_group's distance, then 1.04-1.05x and 1.12-1.21x for each change
- * of the prefetch).
- * With 4- and 8-bit codes, too few fields for 4 slots: int4 this way with 2
- * slots ran 400 against 413 in cache (tokens_group). */
+ * (benchmarks/c/ab_builds.sh), this pays for 2-bit calls from 4 tokens on
+ * and for 1-bit ones from 2 (use_slots). With 4- and 8-bit codes there are
+ * too few fields for 4 slots, and 2 slots did not beat tokens_group. */
 static inline int use_slots(int bits, int64_t tokens) { return bits == 1 || (bits == 2 && tokens >= 4); }
 
 ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t ks1, const int8_t *const *x,
@@ -159,7 +150,7 @@ ALWAYS_INLINE void tokens_group_slots(const uint8_t *codes, int64_t ks0, int64_t
 
 /* prefetch (a constant): whether to prefetch at all. Without it the prefetch
  * code is compiled out: a distance of 0 read at run time, with its test in the
- * tile loop, ran the 2-bit one-token loop 6-13% slower on Zen 4. (The 1-bit
+ * tile loop, slowed the 2-bit one-token loop on Zen 4. (The 1-bit
  * lookup kernel, which always prefetches unless told not to, takes the
  * distance as is.) */
 ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts *a, int64_t n0,

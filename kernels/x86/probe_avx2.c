@@ -1,5 +1,5 @@
 /* The read probe's loop (probe.c) with 32-byte loads, for CPUs whose best
- * ISA is AVX2 or AVX-VNNI: on a Zen 3 it streams 11-13% faster than the plain loop's
+ * ISA is AVX2 or AVX-VNNI: on a Zen 3 it streams faster than the plain loop's
  * 8- and 16-byte loads (benchmarks/c/read_widths.c), fewer loads a line
  * keeping more lines in flight. Same checksum: the sum of the 8-byte words
  * modulo 2^64. */

@@ -1,8 +1,8 @@
 /* AVX-512 output step of a panel: activation scale, bias, rounding to the
  * output dtype, 16 rows per instruction; whole lines of y streamed past the
- * caches where the call asks (ulb_out.stream). A one-thread cold 2-bit GEMV streams
- * 1.5-3% faster with it than with the scalar step at K = 2048 (~1% at 4096;
- * benchmarks/c/ab_builds.sh). Must match ref/store_ref.c bit for bit. */
+ * caches where the call asks (ulb_out.stream); faster than the scalar step
+ * on short rows (benchmarks/c/ab_builds.sh). Must match ref/store_ref.c bit
+ * for bit. */
 #pragma GCC target("avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 
