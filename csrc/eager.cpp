@@ -1,11 +1,11 @@
 // ulbtorch._eager: the eager-mode call of the Linear*Bit modules, straight
 // from CPython to the C kernel, beside torch.ops.ulb.linear (csrc/ops.cpp).
 //
-// Why: a one-token GEMV streams its weights in 10-150 us, and the dispatcher
-// path of a custom op (Python arguments matched to the schema, boxed into
-// IValues, through the stable ABI's shims and back) costs 3-6 us of it when
-// the weight stream has flushed the caches; calling the kernel from here
-// costs ~1 us, as PyTorch's own bindings do (benchmarks/README.md).
+// Why: a one-token GEMV streams its weights in little time, and the
+// dispatcher path of a custom op (Python arguments matched to the schema,
+// boxed into IValues, through the stable ABI's shims and back) is a real
+// share of it when the weight stream has flushed the caches; calling the
+// kernel from here costs what PyTorch's own bindings do (benchmarks/op_overhead.py).
 //
 // What it serves: exactly what the op would compute, bit for bit, through
 // the op's own ulb_linear of ulbtorch._C (bound at import, so the thread
@@ -14,8 +14,10 @@
 // functorch-wrapped and functional tensors, active torch function or
 // dispatch modes, dispatch keys switched on for the thread (torch.jit.trace,
 // vmap and grad transforms, autocast), inputs that need autograd, non-CPU or
-// unusual layouts, and every input the op would reject. The caller then runs
-// the op, which traces, records and raises as before.
+// unusual layouts, and every input the op would reject (the rules of
+// linear_args.h, which both apply). The caller then runs the op, which
+// traces, records and raises as before. The nn.Module internals it reads by
+// name are listed in NAMES_READ, which tests/test_eager.py checks.
 //
 // Unlike ulbtorch._C this module uses the classic C++ API of the torch it
 // was built with; ulbtorch binds it only under that same torch version.
@@ -37,6 +39,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
+#include "linear_args.h"
 #include "ulb/ulb.h"
 
 #ifndef ULB_EAGER_TORCH_VERSION
@@ -86,11 +89,24 @@ bool has_tangent(const at::Tensor &t) {
   return meta && meta->fw_grad_ && !meta->fw_grad_->empty();
 }
 
-bool act_dtype(at::ScalarType s, ulb_dtype *dt) {
-  if (s == at::kFloat) return *dt = ULB_DT_F32, true;
-  if (s == at::kBFloat16) return *dt = ULB_DT_BF16, true;
-  return false;
+// What linear_args' rules read of t; a tensor that is not plain_cpu counts
+// as on another device. No message is ever made here (dtype_name stays "").
+linear_args::TensorInfo info(const at::Tensor &t) {
+  linear_args::TensorInfo i;
+  const at::ScalarType s = t.scalar_type();
+  i.device = plain_cpu(t) ? linear_args::Device::Cpu : linear_args::Device::Other;
+  i.dtype = s == at::kFloat      ? linear_args::Dtype::F32
+            : s == at::kBFloat16 ? linear_args::Dtype::BF16
+            : s == at::kByte     ? linear_args::Dtype::U8
+                                 : linear_args::Dtype::Other;
+  i.dim = t.dim();
+  i.sizes = t.sizes().data();
+  i.strides = t.strides().data();
+  return i;
 }
+
+// The fail of linear_args' rules: the caller returns NotImplemented instead.
+const auto ignore = [](const auto &...) {};
 
 // linear(x, packed, bias or None, out_features): torch.ops.ulb.linear's
 // result, or NotImplemented where that op should run instead.
@@ -107,36 +123,28 @@ PyObject *linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NOTIMPLEMENTED;
   const at::Tensor &x = THPVariable_Unpack(args[0]);
   const at::Tensor &packed = THPVariable_Unpack(args[1]);
-  const bool has_bias = args[2] != Py_None;
-  const at::Tensor *bias = has_bias ? &THPVariable_Unpack(args[2]) : nullptr;
-  ulb_dtype xdt, bdt = ULB_DT_F32;
-  if (!plain_cpu(x) || !act_dtype(x.scalar_type(), &xdt) || x.dim() < 1 || x.numel() == 0) Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor *bias = args[2] != Py_None ? &THPVariable_Unpack(args[2]) : nullptr;
+  if (x.numel() == 0) Py_RETURN_NOTIMPLEMENTED;
   if (c10::GradMode::is_enabled() && (x.requires_grad() || (bias && bias->requires_grad())))
     Py_RETURN_NOTIMPLEMENTED;
   if (has_tangent(x) || (bias && has_tangent(*bias))) Py_RETURN_NOTIMPLEMENTED;
-  if (!plain_cpu(packed) || packed.scalar_type() != at::kByte || packed.dim() != 1 || !packed.is_contiguous())
-    Py_RETURN_NOTIMPLEMENTED;
-  const uint8_t *blob = packed.const_data_ptr<uint8_t>();
-  const int64_t nbytes = packed.size(0);
-  ulb_header h;
-  if (header_fn(blob, nbytes, &h) != ULB_OK) Py_RETURN_NOTIMPLEMENTED;
-  const int64_t K = x.size(-1);
-  if (K != h.K || PyLong_AsLongLong(args[3]) != h.M) {
+  const int64_t out_features = PyLong_AsLongLong(args[3]);
+  if (out_features == -1 && PyErr_Occurred()) {
     PyErr_Clear();  // an out_features beyond int64: the op says what is wrong
     Py_RETURN_NOTIMPLEMENTED;
   }
-  if (bias && (!plain_cpu(*bias) || !act_dtype(bias->scalar_type(), &bdt) || bias->dim() != 1 ||
-               bias->size(0) != h.M || !bias->is_contiguous()))
+  const linear_args::TensorInfo mx = info(x), mw = info(packed);
+  const std::optional<linear_args::TensorInfo> mb = bias ? std::optional(info(*bias)) : std::nullopt;
+  const uint8_t *blob =
+      mw.device == linear_args::Device::Cpu ? static_cast<const uint8_t *>(packed.const_data_ptr()) : nullptr;
+  linear_args::Layer l;
+  // The op's rules; and the layouts it would copy (a strided bias, x's rows
+  // reshaped) go to the op.
+  if (!linear_args::layer(mx, mw, blob, header_fn, mb ? &*mb : nullptr, out_features, "linear", &l, ignore) ||
+      (mb && !mb->contiguous()) || l.rows.reshape)
     Py_RETURN_NOTIMPLEMENTED;
-  // The rows as the op reads them (csrc/ops.cpp, as_rows); a layout it would
-  // reshape goes to the op.
-  const int64_t N = x.numel() / K;
-  int64_t ld = K, inc = 1;
-  if (x.dim() == 2) {
-    ld = x.stride(0), inc = x.stride(1);
-  } else if (!x.is_contiguous()) {
-    Py_RETURN_NOTIMPLEMENTED;
-  }
+  const ulb_header &h = l.h;
+  const int64_t nbytes = mw.sizes[0];
   RECORD_FUNCTION("ulb::linear", std::vector<c10::IValue>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = h.M;
@@ -144,8 +152,8 @@ PyObject *linear_unchecked(PyObject *const *args, Py_ssize_t nargs) {
   const int nthreads = at::get_num_threads();
   ulb_status st;
   Py_BEGIN_ALLOW_THREADS;
-  st = linear_fn(blob, nbytes, N, x.const_data_ptr(), xdt, ld, inc, bias ? bias->const_data_ptr() : nullptr, bdt,
-                 y.mutable_data_ptr(), xdt, h.M, nthreads);
+  st = linear_fn(blob, nbytes, l.rows.N, x.const_data_ptr(), l.xdt, l.rows.ld, l.rows.inc,
+                 bias ? bias->const_data_ptr() : nullptr, l.bdt, y.mutable_data_ptr(), l.xdt, h.M, nthreads);
   Py_END_ALLOW_THREADS;
   if (st != ULB_OK) Py_RETURN_NOTIMPLEMENTED;  // the op raises the kernel's error
   return THPVariable_Wrap(std::move(y));
@@ -176,34 +184,76 @@ struct Owned {
   ~Owned() { Py_XDECREF(p); }
 };
 
+// Every name module_linear reads, by where it reads it: the modules' NAMES_READ,
+// which tests/test_eager.py checks against torch, so that a torch that moves
+// one fails a test rather than turning the fast path off unseen.
+struct Name {
+  PyObject **slot;
+  const char *name;
+};
+const Name module_class_names[] = {{&names.call_name, "__call__"},
+                                   {&names.wrapped_call_impl_name, "_wrapped_call_impl"},
+                                   {&names.call_impl_name, "_call_impl"},
+                                   {&names.compiled_call_impl, "_compiled_call_impl"}};
+const Name layer_class_names[] = {{&names.forward_name, "forward"}};
+const Name module_globals_names[] = {{&names.global_hooks[0], "_global_backward_pre_hooks"},
+                                     {&names.global_hooks[1], "_global_backward_hooks"},
+                                     {&names.global_hooks[2], "_global_forward_hooks"},
+                                     {&names.global_hooks[3], "_global_forward_pre_hooks"},
+                                     {&names.ordered_dict_name, "OrderedDict"}};
+const Name compiler_globals_names[] = {{&names.compiling_flag, "_is_compiling_flag"}};
+const Name layer_names[] = {{&names.force_reference, "force_reference"},
+                            {&names.buffers, "_buffers"},
+                            {&names.parameters, "_parameters"},
+                            {&names.out_features, "out_features"},
+                            {&names.instance_hooks[0], "_backward_hooks"},
+                            {&names.instance_hooks[1], "_backward_pre_hooks"},
+                            {&names.instance_hooks[2], "_forward_hooks"},
+                            {&names.instance_hooks[3], "_forward_pre_hooks"}};
+const Name buffer_names[] = {{&names.packed, "packed"}};
+const Name parameter_names[] = {{&names.bias, "bias"}};
+
+struct NameGroup {
+  const char *where;
+  const Name *names;
+  size_t count;
+};
+#define ULB_GROUP(where, table) {where, table, sizeof table / sizeof table[0]}
+const NameGroup name_groups[] = {
+    ULB_GROUP("torch.nn.Module", module_class_names),      // its class attributes
+    ULB_GROUP("LowBitLinear", layer_class_names),          // the layer's class attributes
+    ULB_GROUP("torch.nn.modules.module", module_globals_names),  // that module's globals
+    ULB_GROUP("torch.compiler", compiler_globals_names),   // that module's globals
+    ULB_GROUP("layer", layer_names),                       // the layer instance's __dict__
+    ULB_GROUP("layer._buffers", buffer_names),
+    ULB_GROUP("layer._parameters", parameter_names),
+};
+#undef ULB_GROUP
+
 bool intern_names() {
   if (names.interned) return true;
-  const char *global_hooks[4] = {"_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_hooks",
-                                 "_global_forward_pre_hooks"};
-  const char *instance_hooks[4] = {"_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks"};
-  struct {
-    PyObject **slot;
-    const char *name;
-  } all[] = {{&names.call_name, "__call__"},
-             {&names.wrapped_call_impl_name, "_wrapped_call_impl"},
-             {&names.call_impl_name, "_call_impl"},
-             {&names.compiling_flag, "_is_compiling_flag"},
-             {&names.compiled_call_impl, "_compiled_call_impl"},
-             {&names.forward_name, "forward"},
-             {&names.force_reference, "force_reference"},
-             {&names.buffers, "_buffers"},
-             {&names.parameters, "_parameters"},
-             {&names.packed, "packed"},
-             {&names.bias, "bias"},
-             {&names.out_features, "out_features"},
-             {&names.ordered_dict_name, "OrderedDict"}};
-  for (auto &n : all)
-    if (!(*n.slot = PyUnicode_InternFromString(n.name))) return false;
-  for (int i = 0; i < 4; i++)
-    if (!(names.global_hooks[i] = PyUnicode_InternFromString(global_hooks[i])) ||
-        !(names.instance_hooks[i] = PyUnicode_InternFromString(instance_hooks[i])))
-      return false;
+  for (const NameGroup &g : name_groups)
+    for (size_t i = 0; i < g.count; i++)
+      if (!(*g.names[i].slot = PyUnicode_InternFromString(g.names[i].name))) return false;
   return names.interned = true;
+}
+
+// {where: (name, ...)} of name_groups.
+PyObject *names_read() {
+  Owned d(PyDict_New());
+  if (!d.p) return nullptr;
+  for (const NameGroup &g : name_groups) {
+    Owned t(PyTuple_New(static_cast<Py_ssize_t>(g.count)));
+    if (!t.p) return nullptr;
+    for (size_t i = 0; i < g.count; i++) {
+      PyObject *n = PyUnicode_FromString(g.names[i].name);
+      if (!n) return nullptr;
+      PyTuple_SET_ITEM(t.p, static_cast<Py_ssize_t>(i), n);
+    }
+    if (PyDict_SetItemString(d.p, g.where, t.p) < 0) return nullptr;
+  }
+  Py_INCREF(d.p);
+  return d.p;
 }
 
 // d[key] when d is a dict holding it, else nullptr (borrowed; no error set).
@@ -330,7 +380,11 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_eager", nullptr, -1, methods}
 // until ulbtorch has compared TORCH_VERSION.
 extern "C" PyObject *PyInit__eager(void) {
   PyObject *m = PyModule_Create(&module_def);
-  if (m && PyModule_AddStringConstant(m, "TORCH_VERSION", ULB_EAGER_TORCH_VERSION) < 0) {
+  if (!m) return nullptr;
+  PyObject *read = names_read();
+  if (PyModule_AddStringConstant(m, "TORCH_VERSION", ULB_EAGER_TORCH_VERSION) < 0 || !read ||
+      PyModule_AddObject(m, "NAMES_READ", read) < 0) {
+    Py_XDECREF(read);
     Py_DECREF(m);
     return nullptr;
   }

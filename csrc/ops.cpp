@@ -16,8 +16,12 @@
 #include <vector>
 
 #include "ulb/ulb.h"
+#include "ulb/ulb_testing.h"
+#include "linear_args.h"
 
 using torch::stable::Tensor;
+
+std::ostream &linear_args::operator<<(std::ostream &os, StatusText s) { return os << ulb_status_str(s.st); }
 
 namespace {
 
@@ -35,11 +39,10 @@ template <typename... Args>
     if (!(cond)) fail(__VA_ARGS__); \
   } while (0)
 
-// The shim's codes for the dtypes and device the ops meet, read once at load.
+// The shim's codes for the dtypes and device the ops meet, read once at load:
 // Tensor::scalar_type() compares a tensor's code with one out-of-line shim
-// getter per dtype in turn (13 calls to recognise bfloat16), and the checks
-// of a one-token call asked it 3-4 times: cold, between weight streams that
-// flush the caches, those calls cost about 1 us a call (benchmarks/README.md).
+// getter per dtype in turn, several times a call, and a one-token call runs
+// between weight streams that flush the caches.
 const int32_t kU8 = aoti_torch_dtype_uint8(), kI8 = aoti_torch_dtype_int8(), kI32 = aoti_torch_dtype_int32(),
               kI64 = aoti_torch_dtype_int64(), kF16 = aoti_torch_dtype_float16(), kF32 = aoti_torch_dtype_float32(),
               kF64 = aoti_torch_dtype_float64(), kBF16 = aoti_torch_dtype_bfloat16();
@@ -57,56 +60,46 @@ const char *dtype_name(int32_t code) {
   return "an unsupported dtype";
 }
 
-// What the ops read of a tensor, one shim call per field. sizes and strides
+// What the ops read of a tensor, one shim call per field: the fields the
+// rules of linear_args.h read, and the shim's dtype code. sizes and strides
 // are borrowed from the tensor, which outlives the op's use of them. An
-// undefined tensor (None passed for a Tensor argument) has device kNone,
+// undefined tensor (None passed for a Tensor argument) has device None,
 // which check_cpu, the first check of every argument, names.
 constexpr int32_t kNone = -1;
-struct Meta {
-  int32_t dtype = kNone, device = kNone;
-  int64_t dim = 0;
-  const int64_t *sizes = nullptr, *strides = nullptr;
+struct Meta : linear_args::TensorInfo {
+  int32_t code = kNone;  // the shim's dtype code
 
   explicit Meta(const Tensor &t) {
     if (!t.defined()) return;
     AtenTensorHandle h = t.get();
-    TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
-    TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device));
+    int32_t device_type;
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &code));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device_type));
     TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
     TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, const_cast<int64_t **>(&sizes)));
     TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, const_cast<int64_t **>(&strides)));
-  }
-  int64_t last() const { return dim ? sizes[dim - 1] : 0; }
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t i = 0; i < dim; i++) n *= sizes[i];
-    return n;
-  }
-  bool contiguous() const {
-    int64_t expect = 1;
-    for (int64_t i = dim; i-- > 0;) {
-      if (sizes[i] == 1) continue;
-      if (strides[i] != expect) return false;
-      expect *= sizes[i];
-    }
-    return true;
+    device = device_type == kCPU ? linear_args::Device::Cpu : linear_args::Device::Other;
+    dtype = code == kF32    ? linear_args::Dtype::F32
+            : code == kBF16 ? linear_args::Dtype::BF16
+            : code == kU8   ? linear_args::Dtype::U8
+                            : linear_args::Dtype::Other;
+    dtype_name = ::dtype_name(code);
   }
 };
+
+// The fail of linear_args' rules: the message, thrown.
+const auto raise = [](const auto &...args) { fail(args...); };
 
 void check_ok(ulb_status st, const char *op) {
   ULB_CHECK(st == ULB_OK, "ulb.", op, ": ", ulb_status_str(st));
 }
 
-void check_cpu(const Meta &m, const char *op, const char *name) {
-  ULB_CHECK(m.device != kNone, "ulb.", op, ": ", name, " must be a tensor, got None");
-  ULB_CHECK(m.device == kCPU, "ulb.", op, ": ", name,
-            " must be a CPU tensor (use the pure-PyTorch path for other devices)");
-}
+void check_cpu(const Meta &m, const char *op, const char *name) { linear_args::on_cpu(m, op, name, raise); }
 
 ulb_dtype act_dtype(const Meta &m, const char *op, const char *name) {
-  ULB_CHECK(m.dtype == kF32 || m.dtype == kBF16, "ulb.", op, ": ", name,
-            " must be float32 or bfloat16, got ", dtype_name(m.dtype));
-  return m.dtype == kF32 ? ULB_DT_F32 : ULB_DT_BF16;
+  ulb_dtype dt;
+  linear_args::act_dtype(m, op, name, &dt, raise);
+  return dt;
 }
 
 // A packed weight: 1-D contiguous uint8 whose header validates.
@@ -118,18 +111,16 @@ struct Packed {
 
 Packed check_packed(const Tensor &packed, const char *op) {
   const Meta m(packed);
-  check_cpu(m, op, "packed weight");
-  ULB_CHECK(m.dtype == kU8 && m.dim == 1 && m.contiguous(), "ulb.", op,
-            ": packed weight must be a 1-D contiguous uint8 tensor made by ulb.pack, got dtype ",
-            dtype_name(m.dtype), " with ", m.dim, " dims", m.contiguous() ? "" : ", not contiguous");
-  Packed p{static_cast<const uint8_t *>(packed.const_data_ptr()), m.sizes[0], {}};
-  check_ok(ulb_blob_header(p.blob, p.nbytes, &p.h), op);
+  Packed p{m.device == linear_args::Device::Cpu ? static_cast<const uint8_t *>(packed.const_data_ptr()) : nullptr,
+           0, {}};
+  linear_args::packed(m, p.blob, &ulb_blob_header, op, &p.h, raise);
+  p.nbytes = m.sizes[0];
   return p;
 }
 
 // A new contiguous CPU tensor. Calls the C shim directly: torch::stable::empty
-// looks "aten::empty" up in the dispatcher by name on every call, which
-// costs ~1 us, a noticeable share of a decode-sized GEMV.
+// looks "aten::empty" up in the dispatcher by name on every call, a
+// noticeable share of a decode-sized GEMV.
 Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
   std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
@@ -143,14 +134,39 @@ Tensor new_tensor(const std::vector<int64_t> &shape, int32_t dtype) {
   return Tensor(out);
 }
 
-// A tile order `op` may pass on for format fi (checked before it narrows to int).
-void check_tiles(const char *op, const ulb_format_info *fi, int64_t tiles) {
-  if (tiles == ULB_TILES_PREFERRED || (tiles >= 0 && tiles < ULB_TILES_COUNT && (fi->tiles >> tiles & 1u))) return;
+// A tile-order argument as C's int: a value past int's range names no order
+// either, and must not narrow into one.
+int tiles_arg(int64_t tiles) {
+  return tiles >= INT_MIN && tiles <= INT_MAX ? static_cast<int>(tiles) : ULB_TILES_COUNT;
+}
+
+// The kernels' ULB_ERR_TILES for format fi, with the orders it offers.
+[[noreturn]] void fail_tiles(const char *op, const ulb_format_info *fi, int64_t tiles) {
   std::ostringstream offered;
   for (int t = 0; t < ULB_TILES_COUNT; t++)
     if (fi->tiles >> t & 1u) offered << t << " = " << ulb_tiles_name(t) << ", ";
   fail("ulb.", op, ": tile order ", tiles, " is not offered for format ", fi->name, " (it offers ", offered.str(),
        ULB_TILES_PREFERRED, " = this CPU's preferred)");
+}
+
+// What ulb_pack (kernels/src/format.c, which holds the rules on values) said
+// of these arguments, with their context.
+[[noreturn]] void fail_pack(ulb_status st, const ulb_format_info *fi, int64_t M, int64_t K, int64_t group_size,
+                            int64_t G, int64_t tiles) {
+  switch (st) {
+  case ULB_ERR_SHAPE:
+    fail("ulb.pack: codes of shape [", M, ", ", K, "]: packed weights hold 1 to ", ULB_MAX_M, " out_features and 1 to ",
+         ULB_MAX_K, " in_features");
+  case ULB_ERR_GROUP:
+    fail("ulb.pack: ", ulb_status_str(st), " (group_size ", group_size, " for format ", fi->name, ", in_features ", K,
+         ")");
+  case ULB_ERR_TILES: fail_tiles("pack", fi, tiles);
+  case ULB_ERR_CODE:
+    fail("ulb.pack: ", ulb_status_str(st), ": codes exceed ", fi->max_code, ", the largest code of format '", fi->name,
+         "' (codes of shape [", M, ", ", K, "])");
+  case ULB_ERR_SCALE: fail("ulb.pack: ", ulb_status_str(st), " (scales of shape [", M, ", ", G, "])");
+  default: fail("ulb.pack: ", ulb_status_str(st));
+  }
 }
 
 Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int64_t tiles) {
@@ -159,37 +175,36 @@ Tensor pack(Tensor codes, Tensor scales, int64_t format, int64_t group_size, int
   check_cpu(ms, "pack", "scales");
   const ulb_format_info *fi = format >= 0 && format <= INT_MAX ? ulb_format_get(static_cast<int>(format)) : nullptr;
   ULB_CHECK(fi != nullptr, "ulb.pack: unknown format id ", format);
-  ULB_CHECK(mc.dtype == kU8 && mc.dim == 2,
+  ULB_CHECK(mc.code == kU8 && mc.dim == 2,
             "ulb.pack: codes must be a 2-D uint8 tensor [out_features, in_features], got ",
-            dtype_name(mc.dtype), " with ", mc.dim, " dims");
-  ULB_CHECK(ms.dtype == kF32 && ms.dim == 2,
+            mc.dtype_name, " with ", mc.dim, " dims");
+  ULB_CHECK(ms.code == kF32 && ms.dim == 2,
             "ulb.pack: scales must be a 2-D float32 tensor [out_features, n_groups]");
-  check_tiles("pack", fi, tiles);
   const int64_t M = mc.sizes[0], K = mc.sizes[1];
-  ULB_CHECK(M >= 1 && M <= ULB_MAX_M && K >= 1 && K <= ULB_MAX_K, "ulb.pack: codes of shape [", M, ", ", K,
-            "]: packed weights hold 1 to ", ULB_MAX_M, " out_features and 1 to ", ULB_MAX_K, " in_features");
-  const int64_t nbytes = ulb_packed_nbytes(static_cast<int>(format), M, K, group_size);
-  if (nbytes < 0) check_ok(static_cast<ulb_status>(-nbytes), "pack");
+  // One group per row, or ceil(K / group_size): the M x G floats C reads.
   const int64_t G = (group_size <= 0 || group_size >= K) ? 1 : (K + group_size - 1) / group_size;
+  const int64_t nbytes = ulb_packed_nbytes(fi->id, M, K, group_size);
+  if (nbytes < 0) fail_pack(static_cast<ulb_status>(-nbytes), fi, M, K, group_size, G, tiles);
   ULB_CHECK(ms.sizes[0] == M && ms.sizes[1] == G, "ulb.pack: scales must have shape [", M, ", ", G,
             "] for group_size ", group_size, ", got [", ms.sizes[0], ", ", ms.sizes[1], "]");
   codes = torch::stable::contiguous(codes);
   scales = torch::stable::contiguous(scales);
   Tensor out = new_tensor({nbytes}, kU8);
-  check_ok(ulb_pack_tiles(static_cast<int>(format), static_cast<int>(tiles), M, K, group_size,
-                    static_cast<const uint8_t *>(codes.const_data_ptr()), K,
-                    static_cast<const float *>(scales.const_data_ptr()),
-                    static_cast<uint8_t *>(out.mutable_data_ptr()), nbytes),
-           "pack");
+  const ulb_status st =
+      ulb_pack_tiles(fi->id, tiles_arg(tiles), M, K, group_size, static_cast<const uint8_t *>(codes.const_data_ptr()),
+                     K, static_cast<const float *>(scales.const_data_ptr()),
+                     static_cast<uint8_t *>(out.mutable_data_ptr()), nbytes);
+  if (st != ULB_OK) fail_pack(st, fi, M, K, group_size, G, tiles);
   return out;
 }
 
 Tensor retile(Tensor packed, int64_t tiles) {
   const Packed p = check_packed(packed, "retile");
-  check_tiles("retile", ulb_format_get(p.h.format), tiles);
   Tensor out = new_tensor({p.nbytes}, kU8);
-  check_ok(ulb_retile(p.blob, p.nbytes, static_cast<int>(tiles), static_cast<uint8_t *>(out.mutable_data_ptr())),
-           "retile");
+  const ulb_status st =
+      ulb_retile(p.blob, p.nbytes, tiles_arg(tiles), static_cast<uint8_t *>(out.mutable_data_ptr()));
+  if (st == ULB_ERR_TILES) fail_tiles("retile", ulb_format_get(p.h.format), tiles);
+  check_ok(st, "retile");
   return out;
 }
 
@@ -212,22 +227,19 @@ Tensor packed_info(Tensor packed) {
   return out;
 }
 
-// The rows of x [..., K] as (N, row stride, element stride), leading dims
-// flattened. 2-D and contiguous inputs are read in place; other layouts are
-// reshaped (a view where strides allow, else a copy) and kept alive here.
+// The rows of x [..., K] as linear_args::rows reads them, x reshaped where
+// they say so (a view where strides allow, else a copy, kept alive here).
 struct Rows {
   const void *data;
   int64_t N, ld, inc;
   std::optional<Tensor> copy;
 };
 
-Rows as_rows(const Tensor &x, const Meta &m, int64_t K) {
-  int64_t N = K > 0 ? m.numel() / K : 0;
-  if (m.dim == 2) return {x.const_data_ptr(), N, m.strides[0], m.strides[1], std::nullopt};
-  if (m.contiguous()) return {x.const_data_ptr(), N, K, 1, std::nullopt};
-  Tensor r = torch::stable::reshape(x, {N, K});
-  const Meta mr(r);
-  return {r.const_data_ptr(), N, mr.strides[0], mr.strides[1], r};
+Rows as_rows(const Tensor &x, const linear_args::Rows &r) {
+  if (!r.reshape) return {x.const_data_ptr(), r.N, r.ld, r.inc, std::nullopt};
+  Tensor flat = torch::stable::reshape(x, {r.N, r.ld});  // ld is K where rows reshape
+  const Meta mf(flat);
+  return {flat.const_data_ptr(), r.N, mf.strides[0], mf.strides[1], flat};
 }
 
 // An optional bias of M elements, fp32 or bf16, made contiguous.
@@ -237,21 +249,29 @@ struct Bias {
   std::optional<Tensor> keep;
 };
 
-Bias checked_bias(const std::optional<Tensor> &bias, int64_t M, const char *op) {
+std::optional<Meta> meta_of(const std::optional<Tensor> &t) {
+  return t.has_value() ? std::optional<Meta>(Meta(*t)) : std::nullopt;
+}
+
+// bias (described by m), checked by linear_args::bias (bdt: the dtype it found), made contiguous.
+Bias contiguous_bias(const std::optional<Tensor> &bias, const std::optional<Meta> &m, ulb_dtype bdt) {
   if (!bias.has_value()) return {nullptr, ULB_DT_F32, std::nullopt};
-  const Meta m(*bias);
-  check_cpu(m, op, "bias");
-  const ulb_dtype dt = act_dtype(m, op, "bias");
-  ULB_CHECK(m.dim == 1 && m.sizes[0] == M, "ulb.", op, ": bias must have shape [", M, "]");
-  Tensor b = m.contiguous() ? *bias : torch::stable::contiguous(*bias);
-  return {b.const_data_ptr(), dt, b};
+  Tensor b = m->contiguous() ? *bias : torch::stable::contiguous(*bias);
+  return {b.const_data_ptr(), bdt, b};
+}
+
+Bias checked_bias(const std::optional<Tensor> &bias, int64_t M, const char *op) {
+  const std::optional<Meta> m = meta_of(bias);
+  ulb_dtype bdt;
+  linear_args::bias(m ? &*m : nullptr, M, op, &bdt, raise);
+  return contiguous_bias(bias, m, bdt);
 }
 
 // The output of a linear op: x's leading dims and dtype, M features.
 Tensor new_output(const Meta &x, int64_t M) {
   std::vector<int64_t> shape(x.sizes, x.sizes + x.dim);
   shape.back() = M;
-  return new_tensor(shape, x.dtype);
+  return new_tensor(shape, x.code);
 }
 
 // One layer of linear or linear_many, its arguments checked as `op` names
@@ -266,17 +286,13 @@ struct Layer {
 
 Layer checked_layer(const Tensor &x, const Tensor &packed, const std::optional<Tensor> &bias, int64_t out_features,
                     const char *op) {
-  const Packed p = check_packed(packed, op);
-  const Meta mx(x);
-  check_cpu(mx, op, "input");
-  const ulb_dtype xdt = act_dtype(mx, op, "input");
-  ULB_CHECK(mx.dim >= 1, "ulb.", op, ": input must have at least 1 dim");
-  ULB_CHECK(mx.last() == p.h.K, "ulb.", op, ": input has ", mx.last(), " features but the packed weight expects ",
-            p.h.K);
-  ULB_CHECK(out_features == p.h.M, "ulb.", op, ": out_features=", out_features, " but the packed weight has ",
-            p.h.M, " rows");
-  Bias b = checked_bias(bias, p.h.M, op);
-  return {p, mx, xdt, std::move(b), as_rows(x, mx, p.h.K)};
+  const Meta mw(packed), mx(x);
+  const std::optional<Meta> mb = meta_of(bias);
+  const uint8_t *blob =
+      mw.device == linear_args::Device::Cpu ? static_cast<const uint8_t *>(packed.const_data_ptr()) : nullptr;
+  linear_args::Layer l;
+  linear_args::layer(mx, mw, blob, &ulb_blob_header, mb ? &*mb : nullptr, out_features, op, &l, raise);
+  return {{blob, mw.sizes[0], l.h}, mx, l.xdt, contiguous_bias(bias, mb, l.bdt), as_rows(x, l.rows)};
 }
 
 Tensor linear(Tensor x, Tensor packed, std::optional<Tensor> bias, int64_t out_features) {
@@ -304,18 +320,18 @@ Tensor linear_many(std::vector<Tensor> x, std::vector<Tensor> packed, std::vecto
   std::vector<ulb_linear_args> layers(n);
   int64_t total = 0;
   for (size_t i = 0; i < n; i++) {
-    char op[48];  // on the stack: a heap string a layer would cost a decode-sized call
+    char op[48];  // on the stack: a heap string a layer would show in a decode-sized call
     std::snprintf(op, sizeof op, "linear_many, layer %zu", i);
     const Layer &l = checked.emplace_back(
         checked_layer(x[i], packed[i], bias.empty() ? std::nullopt : std::optional<Tensor>(bias[i]), out_features, op));
-    ULB_CHECK(l.xdt == checked[0].xdt, "ulb.", op, ": input is ", dtype_name(l.mx.dtype), " but layer 0's is ",
-              dtype_name(checked[0].mx.dtype));
+    ULB_CHECK(l.xdt == checked[0].xdt, "ulb.", op, ": input is ", l.mx.dtype_name, " but layer 0's is ",
+              checked[0].mx.dtype_name);
     ULB_CHECK(l.b.dt == checked[0].b.dt, "ulb.", op, ": bias dtype differs from layer 0's");
     layers[i] = {l.p.blob, l.p.nbytes, l.rows.N, l.rows.data, l.rows.ld, l.rows.inc, l.b.ptr, nullptr, out_features};
     total += l.rows.N;
   }
   const ulb_dtype xdt = checked[0].xdt;
-  Tensor y = new_tensor({total, out_features}, checked[0].mx.dtype);
+  Tensor y = new_tensor({total, out_features}, checked[0].mx.code);
   char *out = static_cast<char *>(y.mutable_data_ptr());
   const size_t row_bytes = static_cast<size_t>(out_features) * (xdt == ULB_DT_F32 ? 4 : 2);
   for (size_t i = 0; i < n; out += row_bytes * static_cast<size_t>(layers[i].N), i++) layers[i].y = out;
@@ -346,9 +362,9 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
   const Packed p = check_packed(packed, "int_dots");
   const Meta mq(xq), ms(xsum);
   check_cpu(mq, "int_dots", "xq");
-  ULB_CHECK(mq.dtype == kI8 && mq.dim == 2 && mq.sizes[1] == p.h.K_pad, "ulb.int_dots: xq must be int8 [N, ",
+  ULB_CHECK(mq.code == kI8 && mq.dim == 2 && mq.sizes[1] == p.h.K_pad, "ulb.int_dots: xq must be int8 [N, ",
             p.h.K_pad, "]");
-  ULB_CHECK(ms.dtype == kI32 && ms.dim == 2 && ms.sizes[0] == mq.sizes[0] && ms.sizes[1] == p.h.n_groups,
+  ULB_CHECK(ms.code == kI32 && ms.dim == 2 && ms.sizes[0] == mq.sizes[0] && ms.sizes[1] == p.h.n_groups,
             "ulb.int_dots: xsum must be int32 [N, ", p.h.n_groups, "]");
   const int64_t N = mq.sizes[0];
   xq = torch::stable::contiguous(xq);
@@ -369,8 +385,8 @@ Tensor int_dots(Tensor packed, Tensor xq, Tensor xsum) {
 Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
   const Meta mw(weight);
   check_cpu(mw, "linear_bf16", "weight");
-  ULB_CHECK(mw.dtype == kBF16 && mw.dim == 2, "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor, got ",
-            dtype_name(mw.dtype), " with ", mw.dim, " dims");
+  ULB_CHECK(mw.code == kBF16 && mw.dim == 2, "ulb.linear_bf16: weight must be a 2-D bfloat16 tensor, got ",
+            mw.dtype_name, " with ", mw.dim, " dims");
   const int64_t M = mw.sizes[0], K = mw.sizes[1];
   ULB_CHECK(K > 0, "ulb.linear_bf16: weight has no input features");
   // The stride of a dimension of size 1 is never used (PyTorch calls such a
@@ -381,13 +397,12 @@ Tensor linear_bf16(Tensor x, Tensor weight, std::optional<Tensor> bias) {
             mw.strides[1], " for shape [", M, ", ", K, "]); pass weight.contiguous()");
   const Meta mx(x);
   check_cpu(mx, "linear_bf16", "input");
-  ULB_CHECK(mx.dtype == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ",
-            dtype_name(mx.dtype));
+  ULB_CHECK(mx.code == kBF16, "ulb.linear_bf16: input must be bfloat16 like the weight, got ", mx.dtype_name);
   ULB_CHECK(mx.dim >= 1 && mx.last() == K, "ulb.linear_bf16: input has ", mx.last(),
             " features but the weight expects ", K);
   const Bias b = checked_bias(bias, M, "linear_bf16");
   Tensor y = new_output(mx, M);
-  const Rows rows = as_rows(x, mx, K);
+  const Rows rows = as_rows(x, linear_args::rows(mx, K));
   const uint16_t *w = static_cast<const uint16_t *>(weight.const_data_ptr());
   uint16_t *out = static_cast<uint16_t *>(y.mutable_data_ptr());
   const int nthreads = static_cast<int>(torch::stable::get_num_threads());
@@ -454,7 +469,7 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_lut1_serves),
     reinterpret_cast<const void *>(&ulb_lut1_available), reinterpret_cast<const void *>(&ulb_prefetch_get),
     reinterpret_cast<const void *>(&ulb_prefetch_set), reinterpret_cast<const void *>(&ulb_prefetch_resolve),
-    reinterpret_cast<const void *>(&ulb_read_probe_streams), reinterpret_cast<const void *>(&ulb_shape_limits),
+    reinterpret_cast<const void *>(&ulb_read_probe_streams),
     reinterpret_cast<const void *>(&ulb_spin_us), reinterpret_cast<const void *>(&ulb_format_count),
     reinterpret_cast<const void *>(&ulb_format_at), reinterpret_cast<const void *>(&ulb_format_get),
     reinterpret_cast<const void *>(&ulb_format_info_size), reinterpret_cast<const void *>(&ulb_tiles_name),

@@ -363,3 +363,36 @@ def test_switch():
     with runtime.use_eager_fast_path(False):
         assert not runtime.eager_fast_path()
     assert runtime.eager_fast_path()
+
+
+@needs_eager
+def test_private_names_read_exist_where_they_are_read(gen):
+    """ulbtorch._eager reads nn.Module internals by name (NAMES_READ, by where
+    it reads each): every one must be where it looks, on a fresh layer, or a
+    torch that moved one would turn the fast path off without a sound; and a
+    plain layer call must take it."""
+    import torch.nn.modules.module as nn_module
+
+    from ulbtorch.nn.linear import LowBitLinear
+
+    m = ulbtorch.Linear2Bit.from_linear(torch.nn.Linear(64, 32))
+    where = {
+        "torch.nn.Module": lambda n: hasattr(torch.nn.Module, n),
+        "LowBitLinear": lambda n: n in vars(LowBitLinear),
+        "torch.nn.modules.module": lambda n: n in vars(nn_module),
+        "torch.compiler": lambda n: n in vars(torch.compiler),
+        "layer": lambda n: n in vars(m),
+        "layer._buffers": lambda n: n in m._buffers,
+        "layer._parameters": lambda n: n in m._parameters,
+    }
+    names = ulbtorch._eager.NAMES_READ
+    assert set(names) == set(where)
+    for place, read in names.items():
+        assert read, place
+        missing = [n for n in read if not where[place](n)]
+        assert not missing, f"{place} lacks {missing}, which csrc/eager.cpp reads"
+    x = torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        y = ulbtorch._eager.module_linear(m, x)
+    assert isinstance(y, torch.Tensor), y
+    assert torch.equal(y, torch.ops.ulb.linear(x, m.packed, m.bias, 32))

@@ -102,9 +102,14 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
         raise ValueError(f"scales must have shape ({M}, {G}) for group_size={group_size}, got {tuple(scales.shape)}")
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
-    if codes.numel() and int(codes.max()) > fmt.max_code:
-        raise ValueError(f"codes exceed {fmt.max_code}, the largest code of format {fmt.name!r}")
-    return torch.ops.ulb.pack(codes.detach().cpu(), scales.cpu(), fmt.id, gs, tiles_arg)
+    try:
+        return torch.ops.ulb.pack(codes.detach().cpu(), scales.cpu(), fmt.id, gs, tiles_arg)
+    except RuntimeError as e:
+        # The kernels hold the rules on values (kernels/src/format.c); codes
+        # out of range are a bad argument here, as they have always been.
+        if "codes exceed" in str(e):
+            raise ValueError(str(e).removeprefix("ulb.pack: ")) from None
+        raise
 
 
 def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "ulb/ulb.h"
+#include "ulb/ulb_testing.h"
 
 static inline double bench_now_s(void) {
     struct timespec ts;

@@ -111,11 +111,7 @@ const char *ulb_status_str(ulb_status s) {
  * codes (64 * 3 * 128 * 65536 < 2^31) and 16 * sum q x for 4-bit codes
  * (16 * 15 * 128 * 65536 < 2^31), and |sum q x| of 8-bit codes stays at most
  * 254 * 128 * 65536 < 2^31 (activations are -127..127 from ulb_quantize_act;
- * int_dots takes -128 too). */
-void ulb_shape_limits(int64_t *max_m, int64_t *max_k) {
-    *max_m = ULB_MAX_M;
-    *max_k = ULB_MAX_K;
-}
+ * int_dots takes -128 too). geometry() holds M and K to these limits. */
 
 typedef struct {
     int64_t group_size, n_groups, M_pad, K_pad, panels_bytes, total;
@@ -158,9 +154,9 @@ int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size) 
     return st == ULB_OK ? g.total : -(int64_t)st;
 }
 
-/* Lookups of LANES tiles run 1-bit codes 1.5-1.7x faster than masking VNNI
- * tiles under AVX2 (x86/lut1_avx2.c); AVX-512 has its own lookups of VNNI
- * tiles (x86/lut1_avx512.c), and other ISAs read VNNI tiles directly. */
+/* Under AVX2 the lookups of LANES tiles (x86/lut1_avx2.c) run 1-bit codes
+ * faster than masking VNNI tiles; AVX-512 has its own lookups of VNNI tiles
+ * (x86/lut1_avx512.c), and other ISAs read VNNI tiles directly. */
 ulb_tiles ulb_tiles_preferred(int format) {
     const ulb_format_info *fi = ulb_format_get(format);
     const ulb_isa isa = ulb_isa_active();

@@ -3,6 +3,7 @@
 #define ULB_INTERNAL_H
 
 #include "ulb/ulb.h"
+#include "ulb/ulb_testing.h"
 #include "layout.h"
 
 /* Microkernel helpers take compile-time tile and token counts; inlining

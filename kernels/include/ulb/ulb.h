@@ -11,7 +11,8 @@
  * the scales and codes interleaved in the panel layout of src/layout.h
  * (packed by src/format.c), then one line of zero padding. Every entry point
  * validates the header, so a blob of another format or shape is an error,
- * never garbage. Functions return ulb_status; nothing aborts. */
+ * never garbage. Functions return ulb_status; nothing aborts. What only tests
+ * and benchmarks call (probes, scheduler knobs) is in ulb_testing.h. */
 #ifndef ULB_ULB_H
 #define ULB_ULB_H
 
@@ -122,9 +123,6 @@ typedef struct {
  * they are invalid. group_size <= 0 or >= K means one group per row. */
 int64_t ulb_packed_nbytes(int format, int64_t M, int64_t K, int64_t group_size);
 
-/* ULB_MAX_M and ULB_MAX_K, for callers that cannot read the macros. */
-void ulb_shape_limits(int64_t *max_m, int64_t *max_k);
-
 /* codes: M x K uint8 with row stride ldc; scales: M x n_groups float32 (row
  * major). Writes the whole blob (nbytes from ulb_packed_nbytes), its tiles in
  * the order ulb_tiles_preferred gives. */
@@ -195,31 +193,11 @@ typedef struct {
 ulb_status ulb_linear_many(const ulb_linear_args *layers, int count, ulb_dtype x_dt, ulb_dtype bias_dt,
                            ulb_dtype y_dt, int nthreads);
 
-/* Integer core alone, for tests: dots[n, m, g] = sum_{k in g} level[m,k] * xq[n,k]
- * from already-quantised activations xq (N x K_pad) and their per-group sums
- * xsum (N x n_groups), as ulb_quantize_act gives them: ULB_ERR_SHAPE if xq
- * is not zero past K or xsum is not its group sums. */
-ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N,
-                        const int8_t *xq, const int32_t *xsum, int32_t *dots);
-
-/* Reads nbytes (8-byte aligned) with nthreads through the GEMV's thread pool
- * and work split: the memory roofline for benchmarks, measured in the same
- * run as the kernels. It prefetches at the 2-bit setting resolved for long
- * groups (see ulb_prefetch_set; 8 KiB on Intel, none on AMD by default). */
-ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64_t *checksum);
-/* The same bytes and checksum, each thread's share read 1 MiB at a time as
- * `streams` (1 to ULB_PROBE_MAX_STREAMS) equal runs, a 64-byte line of each
- * in turn: some cores draw more bandwidth from several runs than from one
- * (probe.c). ULB_ERR_SHAPE for another count. */
-#define ULB_PROBE_MAX_STREAMS 8
-ulb_status ulb_read_probe_streams(const uint8_t *p, int64_t nbytes, int nthreads, int streams,
-                                  uint64_t *checksum);
-
 /* One token through a plain bf16 weight w (M x K, row stride ldw >= K) and
  * bf16 activations x: y[m] = sum_k w[m,k] x[k*incx] (+ bias[m]) in fp32, in
  * the accumulation order of kernels/ref/gemv_bf16_ref.c, rounded once to
  * y_dt. For the layers left in bf16 (lm_head), which PyTorch's N = 1 bf16
- * F.linear reads at well below DRAM speed on CPUs without AMX. */
+ * F.linear reads well below DRAM speed on CPUs without AMX. */
 ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const uint16_t *x, int64_t incx,
                          const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int nthreads);
 
@@ -248,12 +226,11 @@ ulb_status ulb_isa_set(ulb_isa isa);
 const char *ulb_isa_name(ulb_isa isa);
 
 /* The 1-bit GEMVs by table lookup (after T-MAC). Under AVX2 (AVX-VNNI and
- * AVX-512 CPUs too), over LANES tiles, any thread count, up to 4 tokens:
- * 1.8x faster in cache on Zen 3, 1.25-1.45x from DRAM (2.7-3.2x at 4
- * tokens). Under AVX-512 VBMI, over VNNI tiles, one token on one thread:
- * 1.26x in cache; from DRAM 0.90-1.07x on a Xeon VM, but 0.74-0.99x on Zen 5,
- * whose full-width vpdpbusd runs the masking kernel faster than one core
- * streams, while tables past K = 2048 spill the 48 KiB L1.
+ * AVX-512 CPUs too), over LANES tiles, any thread count, up to 4 tokens,
+ * faster than masking in cache and from DRAM. Under AVX-512 VBMI, over VNNI
+ * tiles, one token on one thread: faster in cache, but from DRAM only on
+ * some CPUs (not Zen 5, whose full-width vpdpbusd runs the masking kernel
+ * faster than one core streams, while tables past K = 2048 spill its L1).
  * ulb_lut1_set(mode): ULB_LUT1_AUTO, the default, takes the lookups where
  * they pay (LANES tiles; VNNI tiles on Intel and Zen 4); ULB_LUT1_ON wherever
  * one can run (tests); ULB_LUT1_OFF never, the masking kernels serve.
@@ -275,7 +252,7 @@ int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa);
  * to 1 MiB; 0 = no software prefetch, the hardware prefetcher alone) or
  * ULB_PREFETCH_AUTO, the default, which picks one per call by CPU vendor,
  * active ISA, thread count and group length (kernels/src/prefetch.c gives
- * the rule and its measurements). A speed setting only: results are the same bits
+ * the rule). A speed setting only: results are the same bits
  * whatever it is. Env ULB_PREFETCH_1BIT, _2BIT, _4BIT, _8BIT (bytes or
  * "auto") set it at load. ulb_prefetch_set returns ULB_ERR_SHAPE for another
  * value, ulb_prefetch_get for a NULL bytes, and both ULB_ERR_FORMAT for
@@ -317,23 +294,16 @@ typedef struct {
 } ulb_sched_stats;
 
 /* One performance table per kernel family (format bits x ISA; bits 16: ulb_gemv_bf16;
- * bits 0: ulb_read_probe, whatever the ISA). A thread's last_us runs from the
+ * bits 0: ulb_read_probe of ulb_testing.h, whatever the ISA). A thread's last_us runs from the
  * job's publication to the end of its share, so the largest of them is the
  * call's time inside its parallel region (calls on one thread record nothing). */
 ulb_status ulb_sched_stats_get(int bits, ulb_isa isa, ulb_sched_stats *out);
 void ulb_sched_reset(void);
-/* 0: dynamic split (seed 002, EMA gain 0.3); 1: static equal split. */
-void ulb_sched_set_static(int on);
-/* Test-only: thread `tid` burns extra time proportional to its work
- * (factor 1.0 = none, 2.0 = twice as slow, at most ULB_SLOWDOWN_MAX: a
- * larger one would stall the next call for minutes). */
-#define ULB_SLOWDOWN_MAX 1000.0
-ulb_status ulb_sched_set_slowdown(int tid, double factor);
 
 /* ---- constants ------------------------------------------------------------ */
 
-/* The macros above as values, for callers that cannot read a header
- * (Python's ctypes). */
+/* The macros of ulb.h and ulb_testing.h as values, for callers that cannot
+ * read a header (Python's ctypes). */
 typedef struct {
     int64_t max_m, max_k;          /* ULB_MAX_M, ULB_MAX_K */
     int max_threads;               /* ULB_MAX_THREADS */
