@@ -424,4 +424,3 @@ def plain_call(layer: nn.Module) -> bool:
 
 
 runtime.bind_module_call(LowBitLinear.forward)
-
