@@ -1,7 +1,8 @@
-"""Float layers and the format grid that the module, quantizer and op tests
-share."""
+"""Float layers, the format grid and the ISA lookup that the module,
+quantizer, op and checkpoint tests share."""
 import torch
 
+from ulbtorch import ops, runtime
 from ulbtorch.nn import MODULE_FOR_FORMAT, Linear2Bit
 
 CLASS_FORMATS = [(cls, fmt) for fmt, cls in MODULE_FOR_FORMAT.items()]  # every row of the format table
@@ -22,3 +23,12 @@ def _float_linear(gen, K=K_IN, M=M_OUT, bias=True):
 def _layer(gen, cls=Linear2Bit, fmt="int2_sym", gs=32, bias=True, K=K_IN, M=M_OUT):
     lin = _float_linear(gen, K, M, bias)
     return lin, cls.from_linear(lin, format=fmt, group_size=gs)
+
+
+def isa_preferring(tiles):
+    """A supported ISA under which 1-bit codes pack in `tiles` order, or None."""
+    for isa in runtime.supported_isas():
+        with runtime.use_isa(isa):
+            if ops.preferred_tiles("binary") == tiles:
+                return isa
+    return None

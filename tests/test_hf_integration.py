@@ -274,7 +274,7 @@ def test_prequantized_1bit_checkpoint_loads_in_this_cpus_tile_order(float_dir, t
     with the same codes and logits."""
     from ulbtorch import ops, runtime
 
-    from test_hf import isa_preferring
+    from _layers import isa_preferring
 
     pack_isa, load_isa = isa_preferring(saved), isa_preferring(loaded_as)
     if pack_isa is None or load_isa is None:

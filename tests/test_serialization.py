@@ -12,6 +12,7 @@ import ulbtorch
 from ulbtorch import ops, runtime
 from ulbtorch.nn import Linear2Bit
 
+from _layers import isa_preferring
 from _tiny_llama import lowbit_names, prompt, tiny_llama
 
 M, K = 8, 64
@@ -51,15 +52,6 @@ def test_save_load_reproduces_logits(tmp_path, bits, group_size):
         assert type(a) is type(b) and a.format == b.format and a.group_size == b.group_size
         assert torch.equal(a.packed, b.packed)
     assert type(loaded.lm_head) is nn.Linear and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
-
-
-def isa_preferring(tiles):
-    """A supported ISA under which 1-bit codes pack in `tiles` order, or None."""
-    for isa in runtime.supported_isas():
-        with runtime.use_isa(isa):
-            if ops.preferred_tiles("binary") == tiles:
-                return isa
-    return None
 
 
 @pytest.mark.parametrize("saved,loaded_as", [("vnni", "lanes"), ("lanes", "vnni")])
