@@ -37,7 +37,8 @@ same rounds) and of a plain read of the same bytes, and the command that produce
 [benchmarks/README.md](../README.md#adding-a-run-to-the-results). How to read the columns:
 [docs/performance.md](../../docs/performance.md).
 
-Older runs, with the experiment history behind these numbers: [archive/](archive/README.md).
+Older runs, with the experiment history behind these numbers: [archive/](archive/README.md); measurements
+that used to sit in code comments: [notes_from_code.md](notes_from_code.md).
 """
 
 
