@@ -474,7 +474,7 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_format_at), reinterpret_cast<const void *>(&ulb_format_get),
     reinterpret_cast<const void *>(&ulb_format_info_size), reinterpret_cast<const void *>(&ulb_tiles_name),
     reinterpret_cast<const void *>(&ulb_constants_get), reinterpret_cast<const void *>(&ulb_constants_size),
-    reinterpret_cast<const void *>(&ulb_status_str)};
+    reinterpret_cast<const void *>(&ulb_status_str), reinterpret_cast<const void *>(&ulb_gemv_bf16_native)};
 
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {

@@ -100,15 +100,13 @@ def set_isa(name: str) -> None:
     global bf16_gemv_native
     if _lib.ulb_isa_set(_isa_index(name)) != 0:
         raise RuntimeError(f"ISA {name!r} is not supported on this CPU (supported: {supported_isas()})")
-    bf16_gemv_native = name in _BF16_GEMV_ISAS
+    bf16_gemv_native = bool(_lib.ulb_gemv_bf16_native(_lib.ulb_isa_active()))
 
 
-# Whether the active ISA has a vector kernel for ulb.linear_bf16 (AVX2 or
-# AVX-512; the portable ISA runs the reference's rows); without one
-# nn.LinearBF16 leaves the call to F.linear. Kept in Python so that the
-# per-call check is a global read.
-_BF16_GEMV_ISAS = ("avx2", "avx512", "avxvnni", "amx")
-bf16_gemv_native = get_isa() in _BF16_GEMV_ISAS
+# Whether the active ISA has a vector kernel for ulb.linear_bf16 (the
+# portable ISA runs the reference's rows); without one nn.LinearBF16 leaves
+# the call to F.linear. Kept as a global so that the per-call check is a read.
+bf16_gemv_native = bool(_lib.ulb_gemv_bf16_native(_lib.ulb_isa_active()))
 
 
 @contextlib.contextmanager

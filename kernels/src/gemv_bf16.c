@@ -1,7 +1,7 @@
 /* One-token GEMV over a plain bf16 weight (the layers left unquantized, such
  * as lm_head): y = W x (+ bias) with fp32 accumulation, split over rows
  * between threads. PyTorch's bf16 F.linear reads such a weight at well below
- * DRAM speed at N = 1 on CPUs without AMX (benchmarks/README.md). */
+ * DRAM speed at N = 1 on CPUs without AMX (benchmarks/results/archive/BENCHMARKS_NOTES.md). */
 #include "dtype.h"
 #include "internal.h"
 
@@ -52,4 +52,8 @@ ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, c
                                        bf16_units, (void *)&job);
     ulb_aligned_free(xc);
     return st;
+}
+
+int ulb_gemv_bf16_native(int isa) {
+    return isa >= 0 && isa < ULB_ISA_COUNT && ulb_gemv_bf16_rows_for_isa((ulb_isa)isa) != ulb_gemv_bf16_rows_ref;
 }

@@ -200,6 +200,9 @@ ulb_status ulb_linear_many(const ulb_linear_args *layers, int count, ulb_dtype x
  * F.linear reads well below DRAM speed on CPUs without AMX. */
 ulb_status ulb_gemv_bf16(const uint16_t *w, int64_t M, int64_t K, int64_t ldw, const uint16_t *x, int64_t incx,
                          const void *bias, ulb_dtype bias_dt, void *y, ulb_dtype y_dt, int nthreads);
+/* 1 where ulb_gemv_bf16 runs a vector kernel under `isa` (AVX2 and up), 0
+ * where it runs the reference's rows, which callers leave to F.linear. */
+int ulb_gemv_bf16_native(int isa);
 
 /* ---- ISA ----------------------------------------------------------------- */
 
