@@ -88,7 +88,7 @@ typedef ulb_status (*bench_pack_fn)(int format, int64_t M, int64_t K, int64_t gr
                                     int64_t ldc, const float *scales, uint8_t *out, int64_t out_bytes);
 
 /* Bytes of a cold set: 600 MiB, or 2.5 times the L3 where that is more
- * (480 MiB on the Xeon VM of benchmarks/results/README.md, where a 600 MiB
+ * (the Xeon VMs of benchmarks/results/xeon_amx have an L3 where a 600 MiB
  * set is not safely out of it). */
 static inline int64_t bench_cold_bytes(void) {
     const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
