@@ -11,7 +11,6 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.integrations.bitnet import pack_weights, unpack_weights  # noqa: E402
 
-import ulbtorch  # noqa: E402
 from ulbtorch.importers import (convert_grid_linears, load_bitnet_checkpoint, pack_grid_weight,  # noqa: E402
                                 unpack_hf_bitnet)
 from ulbtorch.nn import Linear1Bit, Linear2Bit, LinearTernary  # noqa: E402

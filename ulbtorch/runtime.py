@@ -100,13 +100,18 @@ def set_isa(name: str) -> None:
     global bf16_gemv_native
     if _lib.ulb_isa_set(_isa_index(name)) != 0:
         raise RuntimeError(f"ISA {name!r} is not supported on this CPU (supported: {supported_isas()})")
-    bf16_gemv_native = bool(_lib.ulb_gemv_bf16_native(_lib.ulb_isa_active()))
+    bf16_gemv_native = _bf16_gemv_native()
 
 
-# Whether the active ISA has a vector kernel for ulb.linear_bf16 (the
-# portable ISA runs the reference's rows); without one nn.LinearBF16 leaves
-# the call to F.linear. Kept as a global so that the per-call check is a read.
-bf16_gemv_native = bool(_lib.ulb_gemv_bf16_native(_lib.ulb_isa_active()))
+def _bf16_gemv_native() -> bool:
+    """Whether the active ISA has a vector kernel for ulb.linear_bf16 (the
+    portable ISA runs the reference's rows); without one nn.LinearBF16
+    leaves the call to F.linear. Kept in a global, bf16_gemv_native, so
+    that the per-call check is a read."""
+    return bool(_lib.ulb_gemv_bf16_native(_lib.ulb_isa_active()))
+
+
+bf16_gemv_native = _bf16_gemv_native()
 
 
 @contextlib.contextmanager

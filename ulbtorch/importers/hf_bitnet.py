@@ -176,8 +176,8 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
     finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
     # ulbtorch's own config, so that save_pretrained writes a checkpoint from_pretrained loads packed
     run_conversion_hooks(model, QuantConfig(format="ternary", granularity="tensor",
-                                               exclude=[n for n, _ in linear_layers(model, lambda n: True)],
-                                               bf16_gemv=bf16_gemv))
+                                            exclude=[n for n, _ in linear_layers(model, lambda n: True)],
+                                            bf16_gemv=bf16_gemv))
     return model.eval()
 
 

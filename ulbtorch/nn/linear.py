@@ -414,6 +414,7 @@ class Linear4Bit(LowBitLinear):
 _CLASSES = {cls.__name__: cls for cls in (Linear2Bit, LinearTernary, Linear1Bit, Linear8Bit, Linear4Bit)}
 MODULE_FOR_FORMAT = {f.name: _CLASSES[f.module] for f in FORMATS.values()}
 
+
 def plain_call(layer: nn.Module) -> bool:
     """Whether calling layer runs LowBitLinear's forward and nothing else: no
     hooks of its own (global ones are the caller's to check), no forward
