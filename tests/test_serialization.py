@@ -180,14 +180,15 @@ def test_load_quantized_checks_everything_before_changing_the_model(tmp_path):
     bad = json.loads(json.dumps(good))
     bad["layers"]["model.layers.0.mlp.up_proj"]["in_features"] = "64"
     manifest.write_text(json.dumps(bad))
-    types_after(ValueError, r"'model.layers.0.mlp.up_proj': in_features must be a int, got '64'")
+    types_after(ValueError, r"ulbtorch.json: layer 'model.layers.0.mlp.up_proj': key 'in_features': expected an int, "
+                            r"got '64'")
     bad = json.loads(json.dumps(good))
     bad["layers"]["model.norm"] = bad["layers"]["model.layers.0.mlp.up_proj"]
     manifest.write_text(json.dumps(bad))
     types_after(ValueError, r"'model.norm' is a LlamaRMSNorm in the model, not a linear layer")
     manifest.write_text(json.dumps(good))
     os.rename(tmp_path / "model.safetensors", tmp_path / "elsewhere")
-    types_after(FileNotFoundError, "model.safetensors not found")
+    types_after(FileNotFoundError, "model.safetensors not found: the directory has ulbtorch.json but not the weights")
     os.rename(tmp_path / "elsewhere", tmp_path / "model.safetensors")
     with torch.device("meta"):
         on_meta = tiny_llama(seed=0)
@@ -197,3 +198,52 @@ def test_load_quantized_checks_everything_before_changing_the_model(tmp_path):
     ids = prompt()
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def _v1_checkpoint(tmp_path, manifest_text):
+    """A directory as ulbtorch wrote it before the manifest moved into the
+    weights' metadata, with manifest_text as its ulbtorch.json."""
+    from safetensors.torch import load_file, save_file
+    _saved_mlp(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    save_file(load_file(weights), weights, metadata={"format": "pt", "ulbtorch": "1"})
+    (tmp_path / "ulbtorch.json").write_text(manifest_text)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[1, 2]", r"ulbtorch.json: expected a JSON object with keys 'version', 'layers' and 'bf16_gemv', got a list"),
+    ('{"version": 1, "layers": {', r"ulbtorch.json: not valid JSON \(Expecting"),
+    ('{"version": 1, "layers": {}, "bf16_gemv": 5}', r"ulbtorch.json: key 'bf16_gemv': expected a list of layer "
+                                                     r"names \(strings\), got 5"),
+    ('{"version": 7, "layers": {}}', r"ulbtorch.json: key 'version': expected one of \[1, 2\] .* got 7"),
+    ('{"version": 1, "layers": []}', r"ulbtorch.json: key 'layers': expected an object of layer name -> layer, "
+                                     r"got a list"),
+    ('{"version": 1, "layers": {"2": 3}}', r"ulbtorch.json: layer '2': expected an object with keys \['bias', "),
+    ('{"version": 2, "layers": {}}', r"ulbtorch.json: key 'save_id': expected a string, got None"),
+])
+def test_a_bad_manifest_file_names_the_file_the_key_and_what_was_expected(tmp_path, text, match):
+    """They gave AttributeError: 'list' object has no attribute 'get', a bare
+    JSONDecodeError, or "'int' object is not iterable"."""
+    _v1_checkpoint(tmp_path, text)
+    model = torch.nn.Sequential(torch.nn.Linear(K, K), torch.nn.ReLU(), torch.nn.Linear(K, M))
+    with pytest.raises(ValueError, match=match):
+        ulbtorch.load_quantized(model, str(tmp_path))
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+
+
+def test_a_bad_manifest_in_the_weights_metadata_names_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+    _saved_mlp(tmp_path)
+    os.remove(tmp_path / "ulbtorch.json")
+    weights = tmp_path / "model.safetensors"
+    save_file(load_file(weights), weights, metadata={"ulbtorch_manifest": '{"version": 2, "layers": 5}'})
+    with pytest.raises(ValueError, match=r"model.safetensors \(metadata key 'ulbtorch_manifest'\): key 'layers': "
+                                         r"expected an object of layer name -> layer, got an int"):
+        ulbtorch.load_quantized(torch.nn.Sequential(torch.nn.Linear(K, M)), str(tmp_path))
+    save_file(load_file(weights), weights, metadata={"format": "pt"})
+    with pytest.raises(FileNotFoundError, match=r"ulbtorch.json not found, nor a manifest in .*model.safetensors's "
+                                                r"metadata"):
+        ulbtorch.load_quantized(torch.nn.Sequential(torch.nn.Linear(K, M)), str(tmp_path))
+    weights.write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        ulbtorch.load_quantized(torch.nn.Sequential(torch.nn.Linear(K, M)), str(tmp_path))

@@ -1,170 +1,184 @@
 """Our checkpoint format: model.safetensors (packed blobs as uint8 tensors,
-everything else as is) plus ulbtorch.json listing each low-bit layer (and
-the bf16 layers on the bf16 GEMV), so a model built from its config loads
-back bit-exactly without re-quantising."""
+everything else as is) whose metadata carries the manifest listing each
+low-bit layer (and the bf16 layers on the bf16 GEMV), with a copy in
+ulbtorch.json (ulbtorch._manifest), so a model built from its config loads
+back bit-exactly without re-quantising.
+
+A save publishes its files by renames (ulbtorch._atomic): a crash leaves the
+previous checkpoint or the new one. A load checks every stored tensor's
+dtype and shape, and every packed blob, before it changes any layer."""
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from . import ops
+from ._atomic import staging
+from ._manifest import MANIFEST, METADATA_KEY, VERSION, WEIGHTS, Manifest, manifest_text, read_manifest
+from ._stored import check_every_tensor, state_after
 from .finish import finish_conversion
-from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear
-from .integrations.hf_experts import (expert_shape, fused_weight_names, is_fused_experts, pack_experts,
+from .integrations.hf_experts import (PACKED, expert_shape, fused_weight_names, is_fused_experts, pack_experts,
                                       parse_expert_layer_name)
+from .nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear
 from .nn.replace import is_plain_linear, module_names, replace_everywhere
 
-MANIFEST = "ulbtorch.json"
-WEIGHTS = "model.safetensors"
-FORMAT_VERSION = 1
-
-
 def quantized_layers(model: nn.Module) -> dict[str, dict]:
-    return {name: dict(format=m.format, in_features=m.in_features, out_features=m.out_features,
-                       bias=m.bias is not None, group_size=m.group_size, granularity=m.granularity)
-            for name, m in model.named_modules() if isinstance(m, LowBitLinear)}
+    """The manifest's entry of each low-bit layer."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LowBitLinear):
+            try:
+                tiles = ops.packed_info(m.packed)["tiles"]
+            except (TypeError, RuntimeError) as e:
+                raise ValueError(f"save_quantized: layer {name!r} holds no valid packed weight ({e}); build it with "
+                                 "from_linear/from_codes or load its weights first") from None
+            out[name] = dict(format=m.format, in_features=m.in_features, out_features=m.out_features,
+                             bias=m.bias is not None, group_size=m.group_size, granularity=m.granularity, tiles=tiles)
+    return out
 
 
 def save_quantized(model: nn.Module, directory: str) -> None:
-    """Write the model's weights and the list of its low-bit layers."""
+    """Write the model's weights and the list of its low-bit layers into
+    `directory` (created if need be; other files there are left alone). The
+    weights and their manifest become visible together: a save that fails
+    or is killed leaves the checkpoint the directory held before."""
     layers = quantized_layers(model)
     if not layers:
         raise ValueError("model has no ulbtorch low-bit layers; run ulbtorch.quantize_ first")
-    os.makedirs(directory, exist_ok=True)
-    save_model(model, os.path.join(directory, WEIGHTS), metadata={"format": "pt", "ulbtorch": str(FORMAT_VERSION)})
     gemv = [name for name, m in model.named_modules() if isinstance(m, LinearBF16)]
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"version": FORMAT_VERSION, "layers": layers, "bf16_gemv": gemv}, f, indent=1)
+    text = manifest_text(layers, gemv)
+    with staging(str(directory)) as stage:
+        try:
+            save_model(model, stage.path(WEIGHTS),
+                       metadata={"format": "pt", "ulbtorch": str(VERSION), METADATA_KEY: text})
+            stage.write_text(MANIFEST, text)
+        except (OSError, SafetensorError) as e:
+            raise OSError(f"save_quantized: writing the checkpoint into {directory} failed ({e}); the files there "
+                          "are as they were") from e
+        # The weights first: they carry the manifest, and a copy of ulbtorch.json
+        # from an earlier save is not read beside them (ulbtorch._manifest).
+        stage.publish(WEIGHTS)
+        stage.publish(MANIFEST)
 
 
-def _layer_for(path: str, name: str, spec) -> LowBitLinear:
-    """The empty low-bit layer a manifest entry describes, its fields checked."""
-    want = dict(format=str, in_features=int, out_features=int, bias=bool, group_size=int, granularity=str)
-    if not isinstance(spec, dict):
-        raise ValueError(f"{path}: layer {name!r}: expected an object with {sorted(want)}, got {spec!r}")
-    for key, typ in want.items():
-        v = spec.get(key)
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise ValueError(f"{path}: layer {name!r}: {key} must be a {typ.__name__}, got {v!r}")
+def _layer_for(m: Manifest, name: str) -> LowBitLinear:
+    """The empty low-bit layer a manifest entry describes."""
+    spec = m.layers[name]
     if spec["format"] not in MODULE_FOR_FORMAT:
-        raise ValueError(f"{path}: layer {name!r} has unknown format {spec['format']!r}")
+        raise ValueError(f"{m.source}: layer {name!r}: key 'format': expected one of {sorted(MODULE_FOR_FORMAT)}, "
+                         f"got {spec['format']!r}")
     try:
         return MODULE_FOR_FORMAT[spec["format"]](spec["in_features"], spec["out_features"], spec["bias"],
                                                  format=spec["format"], group_size=spec["group_size"],
                                                  granularity=spec["granularity"])
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{path}: layer {name!r}: {e}") from None
+        raise ValueError(f"{m.source}: layer {name!r}: {e}") from None
 
 
-def _expert_groups(path: str, here: dict, layers: dict) -> list[tuple[nn.Module, str, list[str]]]:
+def _expert_groups(m: Manifest, here: dict) -> list[tuple[str, nn.Module, str, list[str]]]:
     """The manifest's layers that are experts of a transformers MoE module
     (named "<experts module>.packed_<weight>.<expert>") whose weight the model holds
-    as a 3-D parameter: (module, weight name, layer names in expert order)."""
+    as a 3-D parameter: (module name, module, weight name, layer names in expert order)."""
     found = {}
-    for name in layers:
+    for name in m.layers:
         parsed = None if name in here else parse_expert_layer_name(name)
         if parsed is None:
             continue
         module_name, weight, index = parsed
-        m = here.get(module_name)
-        if m is not None and is_fused_experts(m) and weight in fused_weight_names(m):
+        mod = here.get(module_name)
+        if mod is not None and is_fused_experts(mod) and weight in fused_weight_names(mod):
             found.setdefault((module_name, weight), {})[index] = name
     out = []
     for (module_name, weight), per in found.items():
-        m = here[module_name]
-        n_experts = expert_shape(m, weight)[0]
+        n_experts = expert_shape(here[module_name], weight)[0]
         if sorted(per) != list(range(n_experts)):
-            raise ValueError(f"{path}: {module_name}.{weight} holds {n_experts} experts in the model, but the "
+            raise ValueError(f"{m.source}: {module_name}.{weight} holds {n_experts} experts in the model, but the "
                              f"checkpoint lists experts {sorted(per)}")
-        out.append((m, weight, [per[e] for e in range(n_experts)]))
+        out.append((module_name, here[module_name], weight, [per[e] for e in range(n_experts)]))
     return out
 
 
-def _check_saved(path: str, weights: str, f, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> None:
+def _check_saved(m: Manifest, weights: str, f, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> None:
     """That the weights file (open as f) holds the tensors of the layer the
     manifest describes (under one of its names): a packed blob that fits the
-    layer, a bias of its shape, and a bias only where it says so."""
+    layer, in the manifest's tile order, a bias of its shape, and a bias only
+    where it says so."""
+    spec = m.layers.get(name)
     for key, t in new.state_dict(keep_vars=True).items():
         stored = next((f"{a}.{key}" for a in aliases if f"{a}.{key}" in saved), None)
         if stored is None:
-            raise ValueError(f"{path}: layer {name!r}: {weights} has no {name}.{key}")
+            raise ValueError(f"{m.source}: layer {name!r}: {weights} has no {name}.{key}")
         if key == "packed":
-            why = new.packed_mismatch(f.get_tensor(stored))
+            blob = f.get_tensor(stored)
+            why = new.packed_mismatch(blob)
             if why:
-                raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored}: {why}")
+                raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored}: {why}")
+            tiles = ops.packed_info(blob)["tiles"]
+            if spec is not None and "tiles" in spec and tiles != spec["tiles"]:
+                raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored} is in the {tiles} tile order, "
+                                 f"but the manifest says {spec['tiles']}: the blob's header is damaged")
         elif (shape := list(f.get_slice(stored).get_shape())) != list(t.shape):
-            raise ValueError(f"{path}: layer {name!r}: {weights}'s {stored} has shape {shape}, the layer's {key} "
+            raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored} has shape {shape}, the layer's {key} "
                              f"{list(t.shape)}")
     if new.bias is None and any(f"{a}.bias" in saved for a in aliases):
-        raise ValueError(f"{path}: layer {name!r} has no bias in the manifest but {weights} holds {name}.bias")
+        raise ValueError(f"{m.source}: layer {name!r} has no bias in the manifest but {weights} holds {name}.bias")
 
 
 def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) -> nn.Module:
     """Swap the layers named in the manifest for empty low-bit layers, then
     load all weights. `model` is the float architecture (e.g. from_config).
-    1-bit weights are put in the tile order this CPU's kernels read fastest
-    (ops.retile), so their bytes may differ from the saved ones; the weights
-    are the same. hugepages: as quantize_'s (ulbtorch.hugepages)."""
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: not a directory written by ulbtorch.save_quantized")
-    with open(path) as f:
-        manifest = json.load(f)
-    if manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported ulbtorch checkpoint version {manifest.get('version')}")
+    Every stored tensor is checked first: a load that fails leaves the model
+    as it was. 1-bit weights are put in the tile order this CPU's kernels
+    read fastest (ops.retile), so their bytes may differ from the saved
+    ones; the weights are the same. hugepages: as quantize_'s
+    (ulbtorch.hugepages)."""
+    directory = str(directory)
+    manifest = read_manifest(directory)
     weights = os.path.join(directory, WEIGHTS)
-    if not os.path.exists(weights):
-        raise FileNotFoundError(f"{weights} not found: the directory has {MANIFEST} but not the weights it lists")
     on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if on_meta:
         raise ValueError(f"load_quantized copies into the model's tensors, but {on_meta[:3]} are on the meta "
                          "device; build the model on the CPU (e.g. AutoModelForCausalLM.from_config(config))")
-    # Every layer is checked before any is swapped: a failed load leaves the model as it was.
     here = dict(model.named_modules(remove_duplicate=False))
-    layers = manifest.get("layers")
-    if not isinstance(layers, dict):
-        raise ValueError(f"{path}: 'layers' must be an object of layer name -> layer, got {type(layers).__name__}")
-    # experts: (module, weight name, [(layer name, empty layer)] in expert order)
-    experts = [(m, p, [(n, _layer_for(path, n, layers[n])) for n in per])
-               for m, p, per in _expert_groups(path, here, layers)]
-    in_experts = {n for _, _, per in experts for n, _ in per}
-    swaps = [(name, here.get(name), _layer_for(path, name, spec)) for name, spec in layers.items()
-             if name not in in_experts]
+    layers = manifest.layers
+    # experts: (module name, module, weight name, [(layer name, empty layer)] in expert order)
+    experts = [(mn, mod, p, [(n, _layer_for(manifest, n)) for n in per])
+               for mn, mod, p, per in _expert_groups(manifest, here)]
+    in_experts = {n for _, _, _, per in experts for n, _ in per}
+    swaps = [(name, here.get(name), _layer_for(manifest, name)) for name in layers if name not in in_experts]
     for name, old, _ in swaps:
         if old is None:
-            raise ValueError(f"{path}: layer {name!r} does not exist in the model")
+            raise ValueError(f"{manifest.source}: layer {name!r} does not exist in the model")
         if not isinstance(old, (nn.Linear, LowBitLinear)):
-            raise ValueError(f"{path}: layer {name!r} is a {type(old).__name__} in the model, not a linear layer")
+            raise ValueError(f"{manifest.source}: layer {name!r} is a {type(old).__name__} in the model, not a "
+                             "linear layer")
     names = module_names(model)
     # (name, its names in the model, in->out there, the layer the manifest describes)
     listed = [(name, names[id(old)], (old.in_features, old.out_features), new) for name, old, new in swaps] + [
-        (name, [name], expert_shape(m, p)[1:3], new) for m, p, per in experts for name, new in per]
+        (name, [name], expert_shape(mod, p)[1:3], new) for _, mod, p, per in experts for name, new in per]
     with safe_open(weights, framework="pt") as f:
         saved = set(f.keys())
         for name, aliases, (in_f, out_f), new in listed:
             if (in_f, out_f) != (new.in_features, new.out_features):
-                raise ValueError(f"{path}: layer {name!r} is {in_f}->{out_f} in the model "
+                raise ValueError(f"{manifest.source}: layer {name!r} is {in_f}->{out_f} in the model "
                                  f"but {new.in_features}->{new.out_features} in the checkpoint")
-            _check_saved(path, weights, f, saved, name, aliases, new)
-        for name, m in here.items():  # layers packed already, which the manifest does not list
-            if isinstance(m, LowBitLinear) and name not in layers:
-                _check_saved(path, weights, f, saved, name, names[id(m)], m)
+            _check_saved(manifest, weights, f, saved, name, aliases, new)
+        for name, mod in here.items():  # layers packed already, which the manifest does not list
+            if isinstance(mod, LowBitLinear) and name not in layers:
+                _check_saved(manifest, weights, f, saved, name, names[id(mod)], mod)
+        check_every_tensor(weights, f, state_after(model, names, [(old, new) for _, old, new in swaps],
+                                                   [(mod, p, PACKED, [new for _, new in per])
+                                                    for _, mod, p, per in experts]))
     for name, old, new in swaps:
         replace_everywhere(model, names, old, new)  # a layer used at two places, at both
-    for m, p, per in experts:
-        pack_experts(m, {p: [new for _, new in per]})
-    missing, unexpected = load_model(model, weights, strict=False)
-    missing, unexpected = sorted(missing), sorted(unexpected)
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # saved once, as the embedding
-    if missing or unexpected:
-        raise ValueError(f"checkpoint in {directory} does not match the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    gemv = manifest.get("bf16_gemv", [])  # the layers that ran as LinearBF16 when saved
+    for _, mod, p, per in experts:
+        pack_experts(mod, {p: [new for _, new in per]})
+    load_model(model, weights, strict=False)  # what is missing or unexpected was refused above
+    gemv = manifest.bf16_gemv  # the layers that ran as LinearBF16 when saved
     finish_conversion(model, bf16_gemv=gemv, hugepages=hugepages)
     if gemv:
         here = dict(model.named_modules(remove_duplicate=False))
