@@ -137,8 +137,15 @@ def quantize_weight(weight: torch.Tensor, format: str | Format, group_size: int 
     """Returns codes [M, K] uint8 and scales [M, n_groups] float32 such that
     weight ~= scale * (level_a * code + level_b)."""
     fmt = get_format(format)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+    if weight.is_complex() or weight.dtype == torch.bool:
+        # .to(float32) would drop the imaginary part (with only a warning)
+        raise TypeError(f"weight must hold real numbers, got {weight.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
+    if weight.is_meta:
+        raise ValueError("weight is on the meta device: there are no values to quantize; load the weights first")
     M, K = weight.shape
     gs = normalize_group_size(group_size, K, fmt)
     granularity = granularity or ("group" if gs else "channel")

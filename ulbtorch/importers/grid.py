@@ -37,6 +37,13 @@ def _rounding_interval(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return (down + v) / 2, (v + up) / 2
 
 
+def _grid_format(bits) -> str:
+    """The format of `bits` (as quantize_ reads it: True is not 1)."""
+    if isinstance(bits, bool) or bits not in GRID_FORMATS:
+        raise ValueError(f"bits must be {describe_bits(GRID_FORMATS)}, got {bits!r}")
+    return GRID_FORMATS[bits]
+
+
 def _fail(name: str, row: int, why: str):
     raise ValueError(f"{name}: row {row} is not on a {why}")
 
@@ -44,12 +51,15 @@ def _fail(name: str, row: int, why: str):
 def pack_grid_weight(weight: torch.Tensor, bits, name: str = "weight"):
     """(codes, scales [M,1], format) reproducing `weight` bit for bit after
     rounding the dequantised weight back to weight.dtype."""
-    if bits not in GRID_FORMATS:
-        raise ValueError(f"bits must be {describe_bits(GRID_FORMATS)}, got {bits!r}")
-    fmt = GRID_FORMATS[bits]
+    fmt = _grid_format(bits)
     if weight.dim() != 2 or 0 in weight.shape:
         raise ValueError(f"{name}: a linear weight is 2-D [out_features, in_features] and not empty, got shape "
                          f"{tuple(weight.shape)}")
+    if weight.is_meta:
+        raise ValueError(f"{name} is on the meta device (no values to check against the grid): load the float "
+                         "weights first")
+    if not weight.is_floating_point():
+        raise TypeError(f"{name}: a grid weight is a real floating-point tensor, got {weight.dtype}")
     w = weight.detach().float()
     finite = torch.isfinite(w).all(dim=1)
     if not finite.all():
@@ -100,8 +110,13 @@ def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tupl
     """Replace every nn.Linear whose weight is on the grid by the matching
     low-bit layer, in place, without re-quantising. include / exclude:
     fnmatch patterns on module names, as in quantize_; exclude wins."""
+    fmt = _grid_format(bits)
     include, exclude = patterns(include, "include"), patterns(exclude, "exclude")
     chosen = [(n, m) for n, m in model.named_modules() if is_plain_linear(m) and name_selected(n, include, exclude)]
+    on_meta = [n for n, m in chosen if m.weight.is_meta]
+    if on_meta:
+        raise ValueError(f"convert_grid_linears: {len(on_meta)} of the {len(chosen)} selected layers have their "
+                         f"weight on the meta device (no values), e.g. {on_meta[0]!r}: load the float weights first")
     names = module_names(model)
     # Every layer built before any is swapped: a weight off the grid leaves
     # the model as it was.
@@ -113,6 +128,6 @@ def convert_grid_linears(model: nn.Module, bits, *, include=("*",), exclude=tupl
     for lin, layer in built:
         replace_everywhere(model, names, lin, layer)  # a layer used at two places, at both
     if chosen:  # so that save_pretrained writes a checkpoint from_pretrained loads packed
-        run_conversion_hooks(model, QuantConfig(format=GRID_FORMATS[bits], include=list(include),
+        run_conversion_hooks(model, QuantConfig(format=fmt, include=list(include),
                                                 exclude=list(exclude), bf16_gemv=False))
     return model

@@ -68,8 +68,15 @@ def _params_on_meta():
 def _checkpoint_files(directory: str) -> list[str]:
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{index}: expected a JSON object with key 'weight_map' ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: key 'weight_map': expected an object of tensor name -> file name, got "
+                             f"{weight_map!r:.80}")
+        files = sorted(set(weight_map.values()))
         return [os.path.join(directory, f) for f in files]
     single = os.path.join(directory, "model.safetensors")
     if not os.path.exists(single):
@@ -140,18 +147,33 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
     and no re-quantisation. Float tensors, biases included, are cast to dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    directory = str(directory)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        # (transformers would read a missing directory as a Hub repo id, and say that its form is wrong)
+        raise FileNotFoundError(f"{config_path} not found: load_bitnet_checkpoint reads a local checkpoint directory "
+                                "(config.json and model.safetensors); download one first, e.g. with "
+                                "huggingface_hub.snapshot_download")
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     qc = getattr(config, "quantization_config", None)
-    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    if not isinstance(qc, dict):
+        raise ValueError(f"{config_path}: key 'quantization_config': expected an object with quant_method 'bitnet', "
+                         f"got {qc!r:.80}")
     if qc.get("quant_method") != "bitnet":
-        raise ValueError(f"{directory}: config.json quantization_config.quant_method is "
-                         f"{qc.get('quant_method')!r}, expected 'bitnet'")
+        raise ValueError(f"{config_path}: key 'quantization_config.quant_method': expected 'bitnet', got "
+                         f"{qc.get('quant_method')!r}")
     linear_class = qc.get("linear_class", "bitlinear")
     if linear_class not in LINEAR_CLASSES:
-        raise ValueError(f"{directory}: unknown BitNet linear_class {linear_class!r}; known: {LINEAR_CLASSES}")
+        raise ValueError(f"{config_path}: key 'quantization_config.linear_class': expected one of {LINEAR_CLASSES}, "
+                         f"got {linear_class!r}")
     if qc.get("use_rms_norm"):
-        raise NotImplementedError(f"{directory}: BitNet layers with use_rms_norm=True are not supported yet")
-    skip = list(qc.get("modules_to_not_convert") or ["lm_head"])
+        raise NotImplementedError(f"{config_path}: BitNet layers with quantization_config.use_rms_norm=True are not "
+                                  "supported yet")
+    skip = qc.get("modules_to_not_convert") or ["lm_head"]
+    if not isinstance(skip, list) or not all(isinstance(n, str) for n in skip):
+        raise ValueError(f"{config_path}: key 'quantization_config.modules_to_not_convert': expected a list of "
+                         f"module names, got {skip!r:.80}")
     del config.quantization_config
 
     with _params_on_meta():
