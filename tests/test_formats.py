@@ -81,7 +81,7 @@ def test_constants_come_from_the_library():
     c = _lib.CONSTANTS
     assert ops.shape_limits() == (c.max_m, c.max_k) == (1 << 26, 1 << 16)
     assert runtime.ISAS == tuple(_lib.lib.ulb_isa_name(i).decode() for i in range(c.isa_count))
-    assert ops.TILE_ORDERS == ("vnni", "lanes")
+    assert ops.TILE_ORDERS == ("vnni", "lanes", "kmajor")
     assert runtime.PREFETCH_WIDTHS == (1, 2, 4, 8)
     assert runtime.PROBE_MAX_STREAMS == c.probe_max_streams
     assert _lib.lib.ulb_tiles_name(c.tiles_count) is None

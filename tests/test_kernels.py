@@ -548,6 +548,33 @@ def test_tile_orders():
         ops.retile(lanes, "rows")
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_kmajor_layout(fmt):
+    """The accelerator layout: scales [G][M_pad] then code words [K_pad/tile_k][M_pad]
+    (ulb.h), retile to and from it giving what pack gives, unpack reading it,
+    and the CPU kernels refusing it by name."""
+    f = FORMATS[fmt]
+    M, K, gs = 21, 3 * f.tile_k + f.tile_k // 2, f.tile_k
+    codes = torch.randint(0, f.max_code + 1, (M, K), dtype=torch.uint8)
+    scales = torch.rand(M, n_groups(gs, K)) + 0.5
+    blob = ops.pack(codes, scales, fmt, gs, tiles="vnni")
+    kmajor = ops.pack(codes, scales, fmt, gs, tiles="kmajor")
+    assert ops.packed_info(kmajor)["tiles"] == "kmajor" and kmajor.numel() == blob.numel()
+    assert torch.equal(ops.retile(blob, "kmajor"), kmajor) and torch.equal(ops.retile(kmajor, "vnni"), blob)
+    info = ops.packed_info(kmajor)
+    G, M_pad, K_pad = info["n_groups"], info["M_pad"], info["K_pad"]
+    body = kmajor[64:64 + G * M_pad * 4 + K_pad // f.tile_k * M_pad * 4]
+    assert torch.equal(body[:G * M_pad * 4].view(torch.float32).view(G, M_pad)[:, :M], scales.t())
+    words = body[G * M_pad * 4:].view(torch.int32).view(-1, M_pad)[:, :M].t().long() & 0xFFFFFFFF
+    fields = torch.arange(f.tile_k) * f.bits
+    got = ((words[:, :, None] >> fields) & ((1 << f.bits) - 1)).reshape(M, -1)[:, :K]
+    assert torch.equal(got.to(torch.uint8), codes)
+    back_codes, back_scales = ops.unpack(kmajor)
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+    with pytest.raises(RuntimeError, match="accelerator layout"):
+        ops.linear(torch.rand(2, K), kmajor, None, M)
+
+
 def test_ternary_code_3_rejected():
     codes = torch.ones(16, 32, dtype=torch.uint8)
     ops.pack(codes * 2, torch.ones(16, 1), "ternary")  # 2 is the largest valid code

@@ -77,7 +77,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
     """Pack codes [M, K] (uint8) and scales [M, n_groups] into one blob.
 
     tiles: "vnni", "lanes" (1-bit formats only), or None for the order whose
-    kernels run fastest under the active ISA (lanes for 1-bit under AVX2)."""
+    kernels run fastest under the active ISA (lanes for 1-bit under AVX2);
+    "kmajor" is the accelerator layout the Triton kernels read (ulb.h),
+    which the CPU kernels refuse."""
     fmt = get_format(format)
     tiles_arg = _tiles_arg(tiles, fmt, f"{fmt.name!r} has {fmt.bits}-bit codes")
     for which, t in (("codes", codes), ("scales", scales)):
@@ -114,9 +116,11 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, format: str | Format, group_
 
 def retile(packed: torch.Tensor, tiles: str | None = None) -> torch.Tensor:
     """The same weight with its tiles in order `tiles` ("vnni", "lanes" for
-    1-bit formats, or None: the active ISA's preferred order), as a new blob
-    (a byte permutation of each tile). For blobs packed on a CPU that
-    preferred the other order; load_quantized applies it."""
+    1-bit formats, "kmajor" for accelerators, or None: the active ISA's
+    preferred order), as a new CPU blob: a byte permutation of each tile, or
+    the body rearranged to or from kmajor. For blobs packed on a CPU that
+    preferred the other order (load_quantized applies it) and for layers
+    moved to or from an accelerator (LowBitLinear.to applies it)."""
     fmt = get_format(packed_info(packed)["format"])
     return torch.ops.ulb.retile(packed.cpu(), _tiles_arg(tiles, fmt, f"this blob is {fmt.name!r}"))
 

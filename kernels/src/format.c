@@ -15,15 +15,16 @@
  * ULB_ERR_GROUP message. */
 #define VNNI (1u << ULB_TILES_VNNI)
 #define LANES (1u << ULB_TILES_LANES)
+#define KMAJOR (1u << ULB_TILES_KMAJOR) /* the accelerator layout: every format */
 #define FORMAT(id, name, bits, a, b, max_code, tiles, aliases, bits_name, module, module_default) \
     {id, name, bits, a, b, max_code, ULB_TILE_K(bits), tiles, aliases, bits_name, module, module_default}
 static const ulb_format_info FORMATS[] = {
-    FORMAT(ULB_FMT_INT2, "int2", 2, 1, -2, 3, VNNI, "", "2", "Linear2Bit", 0),
-    FORMAT(ULB_FMT_INT2_SYM, "int2_sym", 2, 2, -3, 3, VNNI, "2", "2", "Linear2Bit", 1),
-    FORMAT(ULB_FMT_TERNARY, "ternary", 2, 1, -1, 2, VNNI, "ternary,1.58", "ternary", "LinearTernary", 1),
-    FORMAT(ULB_FMT_BINARY, "binary", 1, 2, -1, 1, VNNI | LANES, "1", "1", "Linear1Bit", 1),
-    FORMAT(ULB_FMT_INT8, "int8", 8, 1, -127, 254, VNNI, "8", "8", "Linear8Bit", 1),
-    FORMAT(ULB_FMT_INT4, "int4", 4, 1, -8, 15, VNNI, "4", "4", "Linear4Bit", 1),
+    FORMAT(ULB_FMT_INT2, "int2", 2, 1, -2, 3, VNNI | KMAJOR, "", "2", "Linear2Bit", 0),
+    FORMAT(ULB_FMT_INT2_SYM, "int2_sym", 2, 2, -3, 3, VNNI | KMAJOR, "2", "2", "Linear2Bit", 1),
+    FORMAT(ULB_FMT_TERNARY, "ternary", 2, 1, -1, 2, VNNI | KMAJOR, "ternary,1.58", "ternary", "LinearTernary", 1),
+    FORMAT(ULB_FMT_BINARY, "binary", 1, 2, -1, 1, VNNI | LANES | KMAJOR, "1", "1", "Linear1Bit", 1),
+    FORMAT(ULB_FMT_INT8, "int8", 8, 1, -127, 254, VNNI | KMAJOR, "8", "8", "Linear8Bit", 1),
+    FORMAT(ULB_FMT_INT4, "int4", 4, 1, -8, 15, VNNI | KMAJOR, "4", "4", "Linear4Bit", 1),
 };
 #undef FORMAT
 #define NFORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
@@ -44,6 +45,7 @@ const char *ulb_tiles_name(int tiles) {
     switch (tiles) {
     case ULB_TILES_VNNI: return "vnni";
     case ULB_TILES_LANES: return "lanes";
+    case ULB_TILES_KMAJOR: return "kmajor";
     }
     return NULL;
 }
@@ -102,6 +104,9 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_ERR_BLOB_VERSION:
         return "packed weight made by an older ulbtorch (blob layout version 1); pack it again with this version";
     case ULB_ERR_TILES: pthread_once(&msgs_once, msgs_init); return tiles_msg;
+    case ULB_ERR_LAYOUT:
+        return "packed weight in the accelerator layout (kmajor), which the CPU kernels do not read; "
+               "move the layer to the CPU (layer.cpu()) or retile the blob to vnni";
     }
     return "unknown error";
 }
@@ -223,7 +228,8 @@ ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out)
     return ULB_OK;
 }
 
-ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
+/* The view of a blob of any layout: pack's inverse and retile read KMAJOR too. */
+static ulb_status any_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
     ulb_header h;
     ulb_status st = ulb_blob_header(blob, nbytes, &h);
     if (st != ULB_OK) return st;
@@ -243,9 +249,33 @@ ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
     return ULB_OK;
 }
 
+ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w) {
+    const ulb_status st = any_weight_view(blob, nbytes, w);
+    return st == ULB_OK && w->tiles == ULB_TILES_KMAJOR ? ULB_ERR_LAYOUT : st;
+}
+
+/* Every code and scale moved one at a time through layout.h: the retile to or
+ * from KMAJOR, whose body is not a permutation of each tile. */
+static void relayout(const ulb_weight *w, const uint8_t *src, int tiles, uint8_t *dst) {
+    const ulb_layout from = ulb_weight_layout(w);
+    ulb_layout to = from;
+    to.tiles = tiles;
+    memset(dst, 0, (size_t)(from.n_groups * from.M_pad * 4 + from.ksteps * from.M_pad * 4));
+    for (int64_t m = 0; m < w->M; m++) {
+        for (int64_t k = 0; k < w->K; k++) {
+            int64_t byte;
+            int shift;
+            ulb_code_pos(&to, m, k, &byte, &shift);
+            dst[byte] |= (uint8_t)(ulb_code_get(src, &from, m, k) << shift);
+        }
+        for (int64_t g = 0; g < w->n_groups; g++)
+            memcpy(dst + ulb_scale_pos(&to, m, g), src + ulb_scale_pos(&from, m, g), sizeof(float));
+    }
+}
+
 ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *out) {
     ulb_weight w;
-    ulb_status st = ulb_weight_view(blob, nbytes, &w);
+    ulb_status st = any_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
     if (!out || (out < blob + nbytes && blob < out + nbytes)) return ULB_ERR_SHAPE;
     const int format = blob[offsetof(ulb_header, format)];
@@ -254,6 +284,10 @@ ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *o
     memcpy(out, blob, (size_t)nbytes);
     out[offsetof(ulb_header, tiles)] = (uint8_t)tiles;
     if (tiles == w.tiles) return ULB_OK;
+    if (tiles == ULB_TILES_KMAJOR || w.tiles == ULB_TILES_KMAJOR) {
+        relayout(&w, blob + ULB_HEADER_BYTES, tiles, out + ULB_HEADER_BYTES);
+        return ULB_OK;
+    }
     /* Every tile of every group of every panel, in stream order. */
     for (int64_t p = 0; p < ulb_weight_npanels(&w); p++) {
         const int nt = ulb_panel_ntiles(w.M_pad, p);
@@ -273,7 +307,7 @@ ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *o
 
 ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float *scales) {
     ulb_weight w;
-    ulb_status st = ulb_weight_view(blob, nbytes, &w);
+    ulb_status st = any_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
     const ulb_layout L = ulb_weight_layout(&w);
     for (int64_t m = 0; m < w.M; m++) {

@@ -275,7 +275,8 @@ ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa);
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa);
 ulb_store_fn ulb_store_for_isa(ulb_isa isa);
 
-/* Validated view of a blob. */
+/* Validated view of a blob, for the CPU kernels: ULB_ERR_LAYOUT for a
+ * KMAJOR blob, whose body they cannot read. */
 ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w);
 
 /* Thread pool: runs fn over [0, nwork) panels split across nthreads by the

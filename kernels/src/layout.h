@@ -14,6 +14,10 @@
  * slot b of all 16 rows (ulb_tile_byte) and one 16-entry table lookup serves
  * the lane (x86/lut1_avx2.c); a byte transpose turns it into the VNNI order.
  *
+ * The KMAJOR layout (for accelerators, ulb.h) keeps the same padding but
+ * places scales and codes by k-step and row instead of by panel; the
+ * functions below place every code and scale of any layout.
+ *
  * Rows are padded to 16 and K to the tile width. Rows are grouped in panels
  * of 64 (4 tiles; the last panel may hold fewer), and each panel is one
  * contiguous stream over K, group after group; a group is its scales (fp32,
@@ -27,6 +31,8 @@
 #define ULB_LAYOUT_H
 
 #include <stdint.h>
+
+#include "ulb/ulb.h"
 
 #define ULB_TILE 16 /* rows per tile */
 #define ULB_TILE_BYTES 64
@@ -76,13 +82,18 @@ typedef struct {
     int64_t M_pad, ksteps, gsteps, n_groups;
 } ulb_layout;
 
+/* Bytes of the KMAJOR scales, [n_groups][M_pad] fp32; the code words follow. */
+static inline int64_t ulb_kmajor_scale_bytes(const ulb_layout *L) { return L->n_groups * L->M_pad * 4; }
+
 /* Byte of row l and byte slot b inside a tile of order `tiles`. */
 static inline int ulb_tile_byte(int tiles, int l, int b) {
-    return tiles ? ULB_TILE * b + l : 4 * l + b;
+    return tiles == ULB_TILES_LANES ? ULB_TILE * b + l : 4 * l + b;
 }
+
 
 /* Byte offset of the scale of row m, group g, inside the panel area. */
 static inline int64_t ulb_scale_pos(const ulb_layout *L, int64_t m, int64_t g) {
+    if (L->tiles == ULB_TILES_KMAJOR) return (g * L->M_pad + m) * 4;
     const int64_t p = m / (ULB_TILE * ULB_PANEL_TILES);
     return ulb_panel_offset(L->ksteps, L->n_groups, p) +
            ulb_group_offset(ulb_panel_ntiles(L->M_pad, p), L->gsteps, g) + (m % (ULB_TILE * ULB_PANEL_TILES)) * 4;
@@ -90,6 +101,12 @@ static inline int64_t ulb_scale_pos(const ulb_layout *L, int64_t m, int64_t g) {
 
 /* Byte offset and bit shift of code (m, k) inside the panel area. */
 static inline void ulb_code_pos(const ulb_layout *L, int64_t m, int64_t k, int64_t *byte, int *shift) {
+    if (L->tiles == ULB_TILES_KMAJOR) { /* field j = k % tile_k of word (k / tile_k, m), little-endian */
+        const int64_t bit = (k % ulb_tile_k(L->bits)) * L->bits;
+        *byte = ulb_kmajor_scale_bytes(L) + ((k / ulb_tile_k(L->bits)) * L->M_pad + m) * 4 + bit / 8;
+        *shift = (int)(bit % 8);
+        return;
+    }
     const int64_t p = m / (ULB_TILE * ULB_PANEL_TILES);
     const int nt = ulb_panel_ntiles(L->M_pad, p);
     const int64_t t = (m / ULB_TILE) % ULB_PANEL_TILES, l = m % ULB_TILE;

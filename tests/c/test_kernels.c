@@ -56,7 +56,7 @@ static int check_int_dots(const uint8_t *blob, int64_t nb, int64_t N, int extrem
     return fails;
 }
 
-/* Every format of the table in every tile order it offers (forms_init). */
+/* Every format of the table in every CPU tile order it offers (forms_init). */
 #define MAX_FORMS 64
 static struct form {
     int fmt, tiles;
@@ -89,7 +89,8 @@ static int forms_init(int *n) {
             fails++;
         }
         for (int t = 0; t < ULB_TILES_COUNT; t++)
-            if (fi->tiles >> t & 1 && N_FORMS < MAX_FORMS) FORMS[N_FORMS++] = (struct form){fi->id, t};
+            if (fi->tiles >> t & 1 && t != ULB_TILES_KMAJOR && N_FORMS < MAX_FORMS)
+                FORMS[N_FORMS++] = (struct form){fi->id, t};
     }
     (*n)++;
     return fails;
@@ -433,7 +434,7 @@ static int check_tile_orders(int *n) {
     for (int i = 0; i < 16; i++) sc[i] = 1.0f;
     const int64_t nb = ulb_packed_nbytes(ULB_FMT_BINARY, M, K, 0);
     fails += ulb_pack_tiles(ULB_FMT_TERNARY, ULB_TILES_LANES, M, K, 0, codes, K, sc, blob, nb) != ULB_ERR_TILES;
-    fails += ulb_pack_tiles(ULB_FMT_BINARY, 2, M, K, 0, codes, K, sc, blob, nb) != ULB_ERR_TILES;
+    fails += ulb_pack_tiles(ULB_FMT_BINARY, ULB_TILES_COUNT, M, K, 0, codes, K, sc, blob, nb) != ULB_ERR_TILES;
     codes[5 * K + 9] = 1; /* row 5, column 9: byte slot 1, field 2 */
     for (int tiles = 0; tiles < 2; tiles++) {
         fails += ulb_pack_tiles(ULB_FMT_BINARY, tiles, M, K, 0, codes, K, sc, blob, nb) != ULB_OK;
@@ -446,7 +447,7 @@ static int check_tile_orders(int *n) {
         ulb_header h;
         fails += ulb_blob_header(blob, nb, &h) != ULB_OK || h.tiles != tiles || h.format != ULB_FMT_BINARY;
     }
-    blob[7] = 2; /* the header's tile order */
+    blob[7] = ULB_TILES_COUNT; /* the header's tile order */
     fails += ulb_blob_header(blob, nb, &(ulb_header){0}) != ULB_ERR_BLOB;
     blob[7] = 1, blob[6] = ULB_FMT_INT2;
     fails += ulb_blob_header(blob, nb, &(ulb_header){0}) != ULB_ERR_BLOB;
@@ -465,7 +466,7 @@ static int check_tile_orders(int *n) {
                 fails += ulb_retile(in[from], nb2, to, got) != ULB_OK || memcmp(got, in[to], nb2) != 0;
             }
         fails += ulb_retile(in[0], nb2, ULB_TILES_LANES, in[0] + 64) != ULB_ERR_SHAPE; /* overlapping */
-        fails += ulb_retile(in[0], nb2, 2, got) != ULB_ERR_TILES;
+        fails += ulb_retile(in[0], nb2, ULB_TILES_COUNT, got) != ULB_ERR_TILES;
         const int64_t nb4 = ulb_packed_nbytes(ULB_FMT_INT2, M, K, 0);
         uint8_t *i2 = malloc(nb4), *o2 = malloc(nb4);
         fails += ulb_pack(ULB_FMT_INT2, M, K, 0, codes, K, sc, i2, nb4) != ULB_OK;
@@ -486,6 +487,48 @@ static int check_tile_orders(int *n) {
     free(blob);
     (*n)++;
     return fails != 0;
+}
+
+/* KMAJOR, the accelerator layout, for every format: a code and a scale where
+ * ulb.h says, ulb_retile to and from it giving what ulb_pack_tiles gives,
+ * ulb_unpack reading it back, and the CPU kernels refusing it. */
+static int check_kmajor(int *n) {
+    int fails = 0;
+    const int64_t M = 21, K = 200;
+    for (int i = 0; i < ulb_format_count(); i++) {
+        const ulb_format_info *fi = ulb_format_at(i);
+        const int64_t gs = fi->tile_k * 2, nb = ulb_packed_nbytes(fi->id, M, K, gs);
+        const int64_t G = (ulb_round_up(K, fi->tile_k) + gs - 1) / gs;
+        uint8_t *codes = malloc(M * K), *back = malloc(M * K), *blob[2] = {malloc(nb), malloc(nb)}, *got = malloc(nb);
+        float *sc = malloc(M * G * sizeof(float)), *sc_back = malloc(M * G * sizeof(float)), y[21];
+        for (int64_t j = 0; j < M * K; j++) codes[j] = (uint8_t)(rnd() % (fi->max_code + 1));
+        for (int64_t j = 0; j < M * G; j++) sc[j] = (float)(j + 1);
+        fails += ulb_pack_tiles(fi->id, ULB_TILES_KMAJOR, M, K, gs, codes, K, sc, blob[1], nb) != ULB_OK;
+        fails += ulb_pack_tiles(fi->id, ULB_TILES_VNNI, M, K, gs, codes, K, sc, blob[0], nb) != ULB_OK;
+        /* code (m, k) = (5, 37): field 37 % tile_k of word (37 / tile_k, 5); scale (5, 1) after 1 * M_pad. */
+        const int64_t M_pad = 32, tk = fi->tile_k;
+        uint32_t word;
+        float s;
+        memcpy(&word, blob[1] + ULB_HEADER_BYTES + G * M_pad * 4 + ((37 / tk) * M_pad + 5) * 4, 4);
+        fails += (word >> (37 % tk * fi->bits) & ((1u << fi->bits) - 1)) != codes[5 * K + 37];
+        memcpy(&s, blob[1] + ULB_HEADER_BYTES + (1 * M_pad + 5) * 4, 4);
+        fails += G > 1 && s != sc[5 * G + 1];
+        for (int from = 0; from < 2; from++) {
+            memset(got, 0xa5, nb);
+            fails += ulb_retile(blob[from], nb, from ? ULB_TILES_VNNI : ULB_TILES_KMAJOR, got) != ULB_OK ||
+                     memcmp(got, blob[1 - from], nb) != 0;
+        }
+        fails += ulb_unpack(blob[1], nb, back, sc_back) != ULB_OK || memcmp(back, codes, M * K) != 0 ||
+                 memcmp(sc_back, sc, M * G * sizeof(float)) != 0;
+        float x[200] = {1.0f};
+        fails += ulb_linear(blob[1], nb, 1, x, ULB_DT_F32, K, 1, NULL, ULB_DT_F32, y, ULB_DT_F32, M, 1) !=
+                 ULB_ERR_LAYOUT;
+        if (fails) printf("kmajor %s: %d failures\n", fi->name, fails);
+        free(codes); free(back); free(blob[0]); free(blob[1]); free(got); free(sc); free(sc_back);
+        (*n)++;
+        if (fails) return 1;
+    }
+    return 0;
 }
 
 #if defined(__x86_64__)
@@ -706,6 +749,7 @@ int main(void) {
         for (int decode = 0; decode < 2; decode++)
             fails += check_linear_many(FORMS[f].fmt, FORMS[f].tiles, decode, (ulb_dtype)((f + decode) % 2), &n);
     fails += check_tile_orders(&n);
+    fails += check_kmajor(&n);
 #if defined(__x86_64__)
     if (ulb_isa_supported(ULB_ISA_AVX2)) fails += check_probe_sum(&n) + check_lanes_tables(&n);
 #endif

@@ -36,7 +36,8 @@ typedef enum {
     ULB_ERR_THREADS,
     ULB_ERR_SCALE,      /* a scale is NaN or infinite */
     ULB_ERR_BLOB_VERSION, /* packed blob of an older layout version */
-    ULB_ERR_TILES        /* tile order unknown, or not offered for this format */
+    ULB_ERR_TILES,       /* tile order unknown, or not offered for this format */
+    ULB_ERR_LAYOUT       /* a KMAJOR (accelerator) blob handed to a CPU kernel */
 } ulb_status;
 
 const char *ulb_status_str(ulb_status s);
@@ -91,11 +92,18 @@ size_t ulb_format_info_size(void);
  * 128-bit lane holds one byte of each row and table lookups (vpshufb) serve a
  * whole lane; the AVX2 one-token kernel looks codes up this way, the other
  * SIMD kernels turn such a tile into VNNI order in registers (the portable
- * one in a copy; the scalar reference reads codes through layout.h). */
-typedef enum { ULB_TILES_VNNI = 0, ULB_TILES_LANES = 1 } ulb_tiles;
-#define ULB_TILES_COUNT 2
+ * one in a copy; the scalar reference reads codes through layout.h).
+ * KMAJOR is not a tile order but the accelerator layout of the whole body
+ * (every format; same size): scales [n_groups][M_pad] fp32, then codes
+ * [K_pad / tile_k][M_pad] as little-endian 32-bit words, field j of word
+ * (s, m) holding code (m, s * tile_k + j), so that the GPU threads of one
+ * k-step read adjacent rows' words (coalesced). The Triton kernels
+ * (ulbtorch/triton/) read it; the CPU kernels refuse it (ULB_ERR_LAYOUT),
+ * while pack, unpack and retile take it like the tile orders. */
+typedef enum { ULB_TILES_VNNI = 0, ULB_TILES_LANES = 1, ULB_TILES_KMAJOR = 2 } ulb_tiles;
+#define ULB_TILES_COUNT 3
 #define ULB_TILES_PREFERRED (-1)
-/* "vnni", "lanes"; NULL for another value. */
+/* "vnni", "lanes", "kmajor"; NULL for another value. */
 const char *ulb_tiles_name(int tiles);
 
 typedef struct {
@@ -144,7 +152,8 @@ ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out)
 
 /* The blob in tile order `tiles` (a ulb_tiles or ULB_TILES_PREFERRED), into
  * out (nbytes, not overlapping blob): a byte permutation of each tile, for
- * blobs packed where another order was preferred. */
+ * blobs packed where another order was preferred, or the body rearranged
+ * to or from KMAJOR, for a weight moved to or from an accelerator. */
 ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *out);
 
 /* Inverse of ulb_pack: codes M x K (dense), scales M x n_groups. */
