@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without an accelerator the Triton kernels' tests (tests/test_triton.py) run
+# them in Triton's interpreter on CPU tensors, which must be chosen before
+# triton is imported; with one, tests/test_accelerator.py runs them compiled.
+if not torch.accelerator.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import ulbtorch  # noqa: F401  (registers torch.ops.ulb.*)
 from ulbtorch import runtime

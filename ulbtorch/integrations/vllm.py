@@ -8,7 +8,10 @@ and the merged matrix is packed once after loading. A checkpoint saved with
 lm_head_bits serves its lm_head (vLLM's ParallelLMHead) the same way, its
 vocabulary split over ranks as vLLM splits it (VocabShardAssembler). A bf16
 lm_head keeps vLLM's weights and, with the config's bf16_gemv (default), the
-logits of one token run ulbtorch's bf16 GEMV, as nn.LinearBF16 does. Other
+logits of one token run ulbtorch's bf16 GEMV, as nn.LinearBF16 does. On an
+accelerator Triton serves (CUDA, ROCm, XPU) the packed blob is moved there
+in the accelerator layout and run by ulb.triton_linear (ulbtorch/triton/),
+which neither syncs nor reads the blob on the host, so CUDA graphs capture it. Other
 layers left in bf16 stay vLLM's own: on CPU it repacks their weights for
 oneDNN and frees the originals, which the GEMV would need.
 """
@@ -26,7 +29,10 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-from ..nn.fast_path import KERNEL_DTYPES, gemv_serves
+from .. import ops
+from .. import triton as accel
+from ..formats import get_format
+from ..nn.fast_path import ACCEL_DTYPES, KERNEL_DTYPES, gemv_serves
 from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
 
@@ -50,7 +56,7 @@ class UlbVllmConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return -1  # CPU kernels; no GPU capability needed
+        return -1  # the CPU kernels need none; the Triton kernels run wherever Triton does
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -152,7 +158,19 @@ class UlbLinearMethod(LinearMethodBase):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        layer.packed = nn.Parameter(layer.ulb_assembler.pack(), requires_grad=False)
+        blob = layer.ulb_assembler.pack()
+        device = layer.packed.device  # where vLLM built the layer
+        layer.ulb_kmajor = accel.serves(device)
+        if layer.ulb_kmajor:
+            accel.load()
+            info = ops.packed_info(blob)
+            layer.ulb_geometry = (get_format(info["format"]).id, info["out_features"], info["in_features"],
+                                  info["group_size"] if info["n_groups"] > 1 else 0)
+            blob = ops.retile(blob, "kmajor").to(device)
+        elif device.type != "cpu":
+            raise ValueError(f"ulb: {getattr(layer, 'prefix', type(layer).__name__)} is on {device}, where "
+                             "ulbtorch has neither its CPU kernels nor Triton (pip install triton)")
+        layer.packed = nn.Parameter(blob, requires_grad=False)
         del layer.ulb_assembler
 
     def tie_weights(self, layer, embed_tokens):
@@ -161,6 +179,10 @@ class UlbLinearMethod(LinearMethodBase):
                          "checkpoint")
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.ulb_kmajor:
+            y = torch.ops.ulb.triton_linear(x if x.dtype in ACCEL_DTYPES else x.float(), layer.packed, bias,
+                                            *layer.ulb_geometry)
+            return y.to(x.dtype)
         if x.dtype in KERNEL_DTYPES:
             return torch.ops.ulb.linear(x, layer.packed, bias, layer.ulb_out_features)
         b = None if bias is None else bias.float()

@@ -37,6 +37,20 @@ def kernel_serves(layer, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and not layer.force_reference and (bias is None or bias.dtype in KERNEL_DTYPES))
 
 
+ACCEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what ulb.triton_linear takes as it is
+
+
+def accel_serves(layer, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ulb.triton_linear computes the forward of x for a `layer`
+    holding its blob in the accelerator layout: input of those dtypes on the
+    blob's device, last dimension in_features, the layer not set to
+    force_reference. (Its bias may be any float dtype; autograd is the
+    caller's, as for kernel_serves.)"""
+    return (x.dtype in ACCEL_DTYPES and x.device == layer._buffers["packed"].device and x.dim() > 0
+            and x.shape[-1] == layer.in_features and not layer.force_reference
+            and (bias is None or bias.device == x.device))
+
+
 def gemv_serves(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether F.linear(x, w, b) can run as ulbtorch's bf16 GEMV: one bf16
     token of at least one feature, bf16 weight with contiguous, non-overlapping

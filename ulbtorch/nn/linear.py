@@ -1,9 +1,12 @@
 """Linear layers with packed 1-bit, ternary, 2-bit, 4-bit and 8-bit weights.
 
-On CPU the forward pass is one call of torch.ops.ulb.linear (int8 activations
-per token, packed weights streamed by the C kernels). On any other device the
-layer runs the same arithmetic in plain PyTorch from a dequantised copy of
-the weight, cached for the device last used.
+Where a layer's weight runs is its `backend`: on the CPU one call of
+torch.ops.ulb.linear (int8 activations per token, packed weights streamed by
+the C kernels); on an accelerator Triton compiles for (CUDA, ROCm, Intel XPU)
+torch.ops.ulb.triton_linear, the same arithmetic on the blob kept packed in
+the accelerator layout (ulbtorch/triton/); on any other device (MPS, or no
+triton installed) plain PyTorch from a dequantised copy of the weight,
+cached for the device last used.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import ops, runtime
+from .. import triton as accel
 from ..formats import FORMATS, get_format, int_arg, module_formats, n_groups, normalize_group_size
 from ..quantizers import GRANULARITIES, quantize_weight
-from .fast_path import kernel_serves, records_grad, tangents_possible
+from .fast_path import accel_serves, kernel_serves, records_grad, tangents_possible
 
 
 _ulb_linear = torch.ops.ulb.linear.default
@@ -66,12 +70,16 @@ class _KernelLinear(torch.autograd.Function):
             w = layer.dequantize()
         else:  # a blob put in the layer's place since
             w = ops.dequantize_packed(packed, layer.out_features, layer.in_features)
+        w = w.to(gy.device)
         gx = (gy.float() @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         gb = gy.reshape(-1, gy.shape[-1]).float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
         return gx, gb, None
 
 
 def _call_kernel(layer, x, bias):
+    if layer._kmajor:
+        return torch.ops.ulb.triton_linear(x, layer._buffers["packed"], bias, get_format(layer.format).id,
+                                           layer.out_features, layer.in_features, layer.group_size)
     try:
         return _ulb_linear(x, layer._buffers["packed"], bias, layer.out_features)
     except RuntimeError:
@@ -86,7 +94,8 @@ class _KernelLinearTangent(_KernelLinear):
 
     @staticmethod
     def jvp(ctx, x_t, bias_t, _):
-        y_t = torch.zeros((), dtype=torch.float32) if x_t is None else x_t.float() @ ctx.layer.dequantize().t()
+        y_t = (torch.zeros((), dtype=torch.float32) if x_t is None
+               else x_t.float() @ ctx.layer.dequantize().to(x_t.device).t())
         if bias_t is not None:
             y_t = y_t + bias_t.float()
         return y_t.to(ctx.x_dtype)
@@ -164,6 +173,7 @@ class LowBitLinear(nn.Module):
             self.register_parameter("bias", None)
         self.force_reference = False  # run the pure-PyTorch path even on CPU
         self._dequant_cache: tuple | None = None  # see _dequantized
+        self._kmajor = False  # whether `packed` is in the accelerator layout (see _apply)
 
     # ---- construction -------------------------------------------------------
     @classmethod
@@ -237,6 +247,18 @@ class LowBitLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={self.format}, {gs}")
 
+    @property
+    def backend(self) -> str:
+        """Where forward runs: "cpu" (the C kernels), "triton" (the
+        accelerator kernels, on the blob in the accelerator layout) or
+        "torch" (F.linear of the dequantised weight: force_reference, or a
+        device Triton does not serve)."""
+        if self.force_reference:
+            return "torch"
+        if self._kmajor:
+            return "triton"
+        return "cpu" if self._buffers["packed"].device.type == "cpu" else "torch"
+
     # ---- forward ------------------------------------------------------------
     def _require_packed(self):
         # Eager only: a compiled graph cannot branch on the blob's bytes (the
@@ -264,6 +286,8 @@ class LowBitLinear(nn.Module):
         # (nn.Module.__getattr__ is slow). `input` as nn.Linear names it.
         x = input
         bias = self._parameters["bias"]
+        if self._kmajor and accel_serves(self, x, bias):
+            return _kernel_linear(self, x, bias)
         eager = runtime.eager_linear
         if eager is not None and not self.force_reference and not torch.compiler.is_compiling():
             y = eager(x, self._buffers["packed"], bias, self.out_features)
@@ -278,6 +302,10 @@ class LowBitLinear(nn.Module):
             raise TypeError(f"{type(self).__name__} takes floating-point input, got {x.dtype}")
         if x.device.type == "meta":  # shapes only, as nn.Linear gives on meta
             return x.new_empty(*x.shape[:-1], self.out_features)
+        if self._kmajor and not self.force_reference:
+            if x.device != self.packed.device:
+                raise ValueError(f"{type(self).__name__}: input is on {x.device}, the layer on {self.packed.device}")
+            return _kernel_linear(self, x.float(), None if bias is None else bias.float()).to(x.dtype)
         if x.device.type == "cpu" and not self.force_reference:
             return _kernel_linear(self, x.float(), None if bias is None else bias.float()).to(x.dtype)
         return self._reference_forward(x)
@@ -341,9 +369,39 @@ class LowBitLinear(nn.Module):
             self._dequant_cache = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        self.settle_layout()
+
+    # ---- where the blob runs --------------------------------------------------
+    def settle_layout(self) -> None:
+        """Put the blob in the layout its device runs: the accelerator layout
+        (kmajor) where the Triton kernels serve the device, else the CPU's.
+        Moving the layer (.to) and giving it a blob (assignment,
+        load_state_dict) do this; call it after writing `packed` some other
+        way, as loaders that fill module buffers directly do (finish.py)."""
+        packed = self._buffers["packed"]
+        if packed.device.type == "meta" or is_fake(packed) or not bool(packed[:4].any()):
+            return  # no weights yet: the loader that fills them settles them
+        kmajor = accel.serves(packed.device)
+        if (ops.packed_info(packed)["tiles"] == "kmajor") != kmajor:
+            self._buffers["packed"] = ops.retile(packed, "kmajor" if kmajor else None).to(packed.device)
+            self._dequant_cache = None
+        self._set_kmajor(kmajor)
+
+    def _set_kmajor(self, kmajor: bool) -> None:
+        if kmajor:
+            accel.load()
+        self._kmajor = kmajor
 
     def _apply(self, fn, recurse=True):
+        # Repacked where the blob is, on the CPU, before it moves, so that a
+        # layer moved to an accelerator crosses the bus once.
         self._dequant_cache = None
+        packed = self._buffers["packed"]
+        if packed.device.type != "meta" and not is_fake(packed) and bool(packed[:4].any()):
+            kmajor = accel.serves(fn(packed.new_empty(0)).device)
+            if kmajor != self._kmajor:
+                self._buffers["packed"] = ops.retile(packed, "kmajor" if kmajor else None)
+                self._set_kmajor(kmajor)
         return super()._apply(fn, recurse)
 
     def __setattr__(self, name, value):
@@ -359,6 +417,9 @@ class LowBitLinear(nn.Module):
                     " (transformers' from_pretrained sets this from uninitialised memory when the checkpoint "
                     "lacks a layer's packed weight)" if "bad header" in why else ""))
             self._dequant_cache = None
+            super().__setattr__(name, value)
+            self.settle_layout()
+            return
         super().__setattr__(name, value)
 
     def __getattr__(self, name):
