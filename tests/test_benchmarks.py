@@ -2,6 +2,7 @@
 quickest mode (small rotations, few repetitions; the numbers are not looked
 at). A refactor once left roofline.py calling an old signature, which only a
 full benchmark run would have shown."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -37,6 +38,8 @@ RUNS = {
     "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
                    "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }
+if importlib.util.find_spec("triton"):  # the GPU benchmark's paths, in Triton's interpreter on the CPU
+    RUNS["gpu_smoke"] = (["gpu.py", "--smoke", "--decode", "tiny", "--formats", "int2_sym"], "HF greedy decode")
 try:
     from ulbtorch import hugepages as _hugepages
     _THP = _hugepages.available()

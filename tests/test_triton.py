@@ -195,3 +195,55 @@ def test_model_compiled_and_differentiated_on_the_accelerator_path():
         xt = x.clone().requires_grad_()
         model(xt).square().sum().backward()
         assert torch.equal(xt.grad, xg.grad)
+
+
+def _backends(model):
+    return {m.backend for m in model.modules() if isinstance(m, ulbtorch.nn.LowBitLinear)}
+
+
+def test_checkpoints_load_onto_the_accelerator_path(tmp_path):
+    """load_quantized and transformers' from_pretrained ("ulb") give layers
+    on the accelerator path, whose logits and greedy tokens are the CPU
+    kernels' exactly; and a model saved from there loads back on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    from _tiny_llama import prompt, tiny_llama
+
+    model = ulbtorch.quantize_(tiny_llama(), bits=2, group_size=64)
+    ids = prompt()
+    with torch.no_grad():
+        want = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=3, do_sample=False)
+    ulbtorch.save_quantized(model, tmp_path / "q")
+    model.save_pretrained(tmp_path / "hf")
+    with accel.emulate_on_cpu():
+        loaded = ulbtorch.load_quantized(tiny_llama(), tmp_path / "q")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", device_map="cpu")
+        for m in (loaded, hf):
+            assert _backends(m) == {"triton"}
+            with torch.no_grad():
+                assert torch.equal(m(ids).logits, want)
+        with torch.no_grad():
+            assert torch.equal(hf.generate(ids, max_new_tokens=3, do_sample=False), tokens)
+        ulbtorch.save_quantized(loaded, tmp_path / "from_accel")
+    back = ulbtorch.load_quantized(tiny_llama(), tmp_path / "from_accel")
+    assert _backends(back) == {"cpu"}
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, want)
+
+
+def test_packed_experts_on_the_accelerator_path():
+    """A mixture-of-experts model's packed experts run one layer call each
+    there (the C kernels' batched call reads the CPU layout only)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                        hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=300)
+    torch.manual_seed(0)
+    model = ulbtorch.quantize_(transformers.AutoModelForCausalLM.from_config(config).eval(), bits="ternary")
+    ids = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        with accel.emulate_on_cpu():
+            model.to("cpu")
+            assert _backends(model) == {"triton"}
+            assert torch.equal(model(ids).logits, want)

@@ -31,10 +31,12 @@ def kernel_serves(layer, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ulb.linear computes the low-bit `layer`'s forward of x as
     given: float32 or bf16 input on the CPU whose last dimension is the
     layer's in_features, a bias of those dtypes or none, and the layer not
-    set to run the pure-PyTorch reference (force_reference). Autograd is the
+    set to run the pure-PyTorch reference (force_reference) nor holding its
+    blob in the accelerator layout. Autograd is the
     caller's to handle: the op has no derivative."""
     return (x.dtype in KERNEL_DTYPES and x.is_cpu and x.dim() > 0 and x.shape[-1] == layer.in_features
-            and not layer.force_reference and (bias is None or bias.dtype in KERNEL_DTYPES))
+            and not layer.force_reference and (bias is None or bias.dtype in KERNEL_DTYPES)
+            and not layer.__dict__.get("_kmajor", False))
 
 
 ACCEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what ulb.triton_linear takes as it is
