@@ -12,18 +12,19 @@ the geometry the caller names.
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..formats import FORMATS_BY_ID
 from ..ops import packed_nbytes
 from .act_quant import quantize_activations
 from .gemm import gemm_grid, gemm_kernel
-from .gemv import GEMV_MAX_TOKENS, gemv_grid, gemv_kernel
+from .gemv import GEMV_MAX_TOKENS, gemv_store_kernel, gemv_sums_kernel, segments
 from .kernel_parts import Y_BF16, Y_F16, Y_F32
 
 Y_KINDS = {torch.float32: Y_F32, torch.bfloat16: Y_BF16, torch.float16: Y_F16}
 # Codes per block of K in the GEMV and the GEMM.
 GEMV_BLOCK_K, GEMM_BLOCK_K = 128, 64
-GEMV_BLOCK_M, GEMM_BLOCK_M, GEMM_BLOCK_N = 64, 64, 32
+GEMV_BLOCK_M, GEMM_BLOCK_M, GEMM_BLOCK_N = 32, 64, 32
 
 
 def geometry(format_id: int, M: int, K: int, group_size: int) -> dict:
@@ -79,19 +80,25 @@ def run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, format
     y = torch.empty(N, M, dtype=x.dtype, device=x.device)
     s = torch.zeros((N, M, g["n_groups"]) if sums else (1,), dtype=torch.int32, device=x.device)
     y_arg = y.view(torch.int16) if x.dtype == torch.bfloat16 else y
-    common = dict(BITS=fmt.bits, LEVEL_A=fmt.level_a, LEVEL_B=fmt.level_b, HAS_BIAS=bias is not None,
-                  Y_KIND=Y_KINDS[x.dtype], SUMS=sums, enable_fp_fusion=False)
-    args = (xq, xscale, words, scales, scales if bias is None else bias, y_arg, s)
+    levels = dict(BITS=fmt.bits, LEVEL_A=fmt.level_a, LEVEL_B=fmt.level_b)
+    out = dict(HAS_BIAS=bias is not None, Y_KIND=Y_KINDS[x.dtype], SUMS=sums, enable_fp_fusion=False)
+    bias_arg = scales if bias is None else bias  # any pointer: HAS_BIAS keeps it unread
     if N == 0:
         pass
     elif N <= GEMV_MAX_TOKENS:
-        gemv_kernel[gemv_grid(N, M, GEMV_BLOCK_M)](*args, M, g["M_pad"], g["K_pad"], g["n_groups"], g["group_size"],
-                                                   M, BLOCK_M=GEMV_BLOCK_M, BLOCK_W=GEMV_BLOCK_K // fmt.tile_k,
-                                                   **common)
+        seg = segments(fmt.tile_k, g["K_pad"], g["group_size"], g["n_groups"])
+        part = torch.empty(seg["segs"], N, g["M_pad"], dtype=torch.int32, device=x.device)
+        grid = (N, triton.cdiv(M, GEMV_BLOCK_M), triton.cdiv(seg["segs"], seg["segs_per_program"]))
+        gemv_sums_kernel[grid](xq, words, part, N, M, g["M_pad"], g["K_pad"], seg["seg_words"], seg["segs"],
+                               seg["segs_per_program"], BLOCK_M=GEMV_BLOCK_M, BLOCK_W=GEMV_BLOCK_K // fmt.tile_k,
+                               **levels)
+        gemv_store_kernel[grid[:2]](part, xscale, scales, bias_arg, y_arg, s, N, M, g["M_pad"], g["n_groups"],
+                                    seg["segs"], seg["segs_per_group"], M, BLOCK_M=GEMV_BLOCK_M, **out)
     else:
         gemm_kernel[gemm_grid(N, M, GEMM_BLOCK_N, GEMM_BLOCK_M)](
-            *args, N, M, g["M_pad"], g["K_pad"], g["n_groups"], g["group_size"], M, BLOCK_N=GEMM_BLOCK_N,
-            BLOCK_M=GEMM_BLOCK_M, BLOCK_W=GEMM_BLOCK_K // fmt.tile_k, **common)
+            xq, xscale, words, scales, bias_arg, y_arg, s, N, M, g["M_pad"], g["K_pad"], g["n_groups"],
+            g["group_size"], M, BLOCK_N=GEMM_BLOCK_N, BLOCK_M=GEMM_BLOCK_M, BLOCK_W=GEMM_BLOCK_K // fmt.tile_k,
+            **levels, **out)
     y = y.reshape(*x.shape[:-1], M)
     return (y, s) if sums else y
 
