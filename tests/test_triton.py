@@ -219,8 +219,9 @@ def _backends(model):
 
 
 def test_checkpoints_load_onto_the_accelerator_path(tmp_path):
-    """load_quantized and transformers' from_pretrained ("ulb") give layers
-    on the accelerator path, whose logits and greedy tokens are the CPU
+    """load_quantized, transformers' from_pretrained of a packed checkpoint
+    and from_pretrained quantizing on load (UlbConfig) give layers on the
+    accelerator path, whose logits and greedy tokens are the CPU
     kernels' exactly; and a model saved from there loads back on the CPU."""
     transformers = pytest.importorskip("transformers")
     from _tiny_llama import prompt, tiny_llama
@@ -232,10 +233,13 @@ def test_checkpoints_load_onto_the_accelerator_path(tmp_path):
         tokens = model.generate(ids, max_new_tokens=2, do_sample=False)
     ulbtorch.save_quantized(model, tmp_path / "q")
     model.save_pretrained(tmp_path / "hf")
+    tiny_llama().save_pretrained(tmp_path / "float")
     with accel.emulate_on_cpu():
         loaded = ulbtorch.load_quantized(tiny_llama(), tmp_path / "q")
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", device_map="cpu")
-        for m in (loaded, hf):
+        on_load = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "float", quantization_config=ulbtorch.UlbConfig(bits=2, group_size=64), device_map="cpu")
+        for m in (loaded, hf, on_load):
             assert _backends(m) == {"triton"}
             with torch.no_grad():
                 assert torch.equal(m(ids).logits, want)

@@ -87,6 +87,40 @@ def test_apply_computes_the_layer():
         assert y.shape == want.shape and (y.float() - want).abs().max() <= 1e-2 * want.abs().max()
 
 
+def test_accelerator_layers_run_the_triton_op():
+    """On a device Triton serves (the CPU standing in, in Triton's
+    interpreter) process_weights_after_loading moves the assembled blob
+    there in the kmajor layout and apply runs ulb.triton_linear: the CPU
+    kernel's outputs bit for bit."""
+    import types
+
+    import torch
+
+    from ulbtorch import ops
+    from ulbtorch import triton as accel
+    from ulbtorch.quantize import QuantConfig
+
+    pytest.importorskip("triton")
+    if not accel.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without an accelerator)")
+    g = torch.Generator().manual_seed(0)
+    M, K = 70, 100
+    blob = ops.pack(torch.randint(0, 4, (M, K), generator=g, dtype=torch.uint8),
+                    torch.rand(M, 2, generator=g) + 0.1, "int2_sym", 64)
+    layer = torch.nn.Module()
+    layer.packed = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+    layer.ulb_out_features = M
+    layer.ulb_assembler = types.SimpleNamespace(pack=lambda: blob.clone())
+    method = UlbLinearMethod(QuantConfig(bits=2, group_size=64))
+    with accel.emulate_on_cpu():
+        method.process_weights_after_loading(layer)
+    assert ops.packed_info(layer.packed)["tiles"] == "kmajor"
+    bias = torch.randn(M, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, K, generator=g).to(dtype)
+        assert torch.equal(method.apply(layer, x, bias.to(dtype)), ops.linear(x, blob, bias.to(dtype), M))
+
+
 def test_a_mixture_of_experts_layer_is_refused():
     """vLLM gave its fused MoE layer the float method, found none of the
     checkpoint's experts.packed_* tensors and served uninitialised experts

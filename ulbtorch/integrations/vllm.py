@@ -179,7 +179,7 @@ class UlbLinearMethod(LinearMethodBase):
                          "checkpoint")
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.ulb_kmajor:
+        if layer.__dict__.get("ulb_kmajor"):  # set by process_weights_after_loading
             y = torch.ops.ulb.triton_linear(x if x.dtype in ACCEL_DTYPES else x.float(), layer.packed, bias,
                                             *layer.ulb_geometry)
             return y.to(x.dtype)
