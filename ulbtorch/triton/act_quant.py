@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernel_parts import LAUNCH_OPTIONS
+
 BLOCK_K = 1024
 
 
@@ -53,5 +55,5 @@ def quantize_activations(x: torch.Tensor, K_pad: int) -> tuple[torch.Tensor, tor
     xscale = torch.empty(N, dtype=torch.float32, device=x.device)
     if N:
         _quantize_rows[(N,)](x, x.stride(0), x.stride(1), xq, xscale, K, K_pad,
-                             BLOCK=min(BLOCK_K, triton.next_power_of_2(K_pad)), enable_fp_fusion=False)
+                             BLOCK=min(BLOCK_K, triton.next_power_of_2(K_pad)), **LAUNCH_OPTIONS)
     return xq, xscale

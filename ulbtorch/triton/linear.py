@@ -19,7 +19,7 @@ from ..ops import packed_nbytes
 from .act_quant import quantize_activations
 from .gemm import gemm_grid, gemm_kernel
 from .gemv import GEMV_MAX_TOKENS, gemv_store_kernel, gemv_sums_kernel, segments
-from .kernel_parts import Y_BF16, Y_F16, Y_F32
+from .kernel_parts import LAUNCH_OPTIONS, Y_BF16, Y_F16, Y_F32
 
 Y_KINDS = {torch.float32: Y_F32, torch.bfloat16: Y_BF16, torch.float16: Y_F16}
 # Codes per block of K in the GEMV and the GEMM.
@@ -81,7 +81,7 @@ def run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, format
     s = torch.zeros((N, M, g["n_groups"]) if sums else (1,), dtype=torch.int32, device=x.device)
     y_arg = y.view(torch.int16) if x.dtype == torch.bfloat16 else y
     levels = dict(BITS=fmt.bits, LEVEL_A=fmt.level_a, LEVEL_B=fmt.level_b)
-    out = dict(HAS_BIAS=bias is not None, Y_KIND=Y_KINDS[x.dtype], SUMS=sums, enable_fp_fusion=False)
+    out = dict(HAS_BIAS=bias is not None, Y_KIND=Y_KINDS[x.dtype], SUMS=sums, **LAUNCH_OPTIONS)
     bias_arg = scales if bias is None else bias  # any pointer: HAS_BIAS keeps it unread
     if N == 0:
         pass
@@ -91,7 +91,7 @@ def run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, format
         grid = (N, triton.cdiv(M, GEMV_BLOCK_M), triton.cdiv(seg["segs"], seg["segs_per_program"]))
         gemv_sums_kernel[grid](xq, words, part, N, M, g["M_pad"], g["K_pad"], seg["seg_words"], seg["segs"],
                                seg["segs_per_program"], BLOCK_M=GEMV_BLOCK_M, BLOCK_W=GEMV_BLOCK_K // fmt.tile_k,
-                               **levels)
+                               **levels, **LAUNCH_OPTIONS)
         gemv_store_kernel[grid[:2]](part, xscale, scales, bias_arg, y_arg, s, N, M, g["M_pad"], g["n_groups"],
                                     seg["segs"], seg["segs_per_group"], M, BLOCK_M=GEMV_BLOCK_M, **out)
     else:
