@@ -227,6 +227,17 @@ Tensor packed_info(Tensor packed) {
   return out;
 }
 
+// The whole blob checked as a loader needs it (ulb_blob_verify): [1] where a
+// checksum vouched for its bytes, [0] for a blob of version 2, which has none.
+Tensor verify_packed(Tensor packed) {
+  const Packed p = check_packed(packed, "verify_packed");
+  int checked = 0;
+  check_ok(ulb_blob_verify(p.blob, p.nbytes, &checked), "verify_packed");
+  Tensor out = new_tensor({1}, kI64);
+  *static_cast<int64_t *>(out.mutable_data_ptr()) = checked;
+  return out;
+}
+
 // The rows of x [..., K] as linear_args::rows reads them, x reshaped where
 // they say so (a view where strides allow, else a copy, kept alive here).
 struct Rows {
@@ -420,6 +431,7 @@ STABLE_TORCH_LIBRARY(ulb, m) {
   m.def("unpack(Tensor packed) -> (Tensor, Tensor)");
   m.def("retile(Tensor packed, int tiles=-1) -> Tensor");
   m.def("packed_info(Tensor packed) -> Tensor");
+  m.def("verify_packed(Tensor packed) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_many(Tensor[] x, Tensor[] packed, Tensor[] bias, int out_features) -> Tensor");
   m.def("quantize_act(Tensor x, Tensor packed) -> (Tensor, Tensor, Tensor)");
@@ -432,6 +444,7 @@ STABLE_TORCH_LIBRARY_IMPL(ulb, CPU, m) {
   m.impl("retile", TORCH_BOX(&retile));
   m.impl("unpack", TORCH_BOX(&unpack));
   m.impl("packed_info", TORCH_BOX(&packed_info));
+  m.impl("verify_packed", TORCH_BOX(&verify_packed));
   m.impl("linear", TORCH_BOX(&linear));
   m.impl("linear_many", TORCH_BOX(&linear_many));
   m.impl("quantize_act", TORCH_BOX(&quantize_act));
@@ -474,7 +487,8 @@ extern "C" const void *const ulb_runtime_api[] = {
     reinterpret_cast<const void *>(&ulb_format_at), reinterpret_cast<const void *>(&ulb_format_get),
     reinterpret_cast<const void *>(&ulb_format_info_size), reinterpret_cast<const void *>(&ulb_tiles_name),
     reinterpret_cast<const void *>(&ulb_constants_get), reinterpret_cast<const void *>(&ulb_constants_size),
-    reinterpret_cast<const void *>(&ulb_status_str), reinterpret_cast<const void *>(&ulb_gemv_bf16_native)};
+    reinterpret_cast<const void *>(&ulb_status_str), reinterpret_cast<const void *>(&ulb_gemv_bf16_native),
+    reinterpret_cast<const void *>(&ulb_xxh64)};
 
 // Importing ulbtorch._C registers the ops above; the module itself is empty.
 extern "C" PyObject *PyInit__C(void) {

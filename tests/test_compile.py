@@ -26,6 +26,7 @@ def op_cases(codes, scales, packed, x):
         "unpack": (torch.ops.ulb.unpack.default, (packed,)),
         "retile": (torch.ops.ulb.retile.default, (ulbtorch.ops.pack(codes % 2, scales, "binary", tiles="vnni"), 1)),
         "packed_info": (torch.ops.ulb.packed_info.default, (packed,)),
+        "verify_packed": (torch.ops.ulb.verify_packed.default, (packed,)),
         "linear_fp32": (torch.ops.ulb.linear.default, (x, packed, None, 40)),
         "linear_bf16_x_bias": (torch.ops.ulb.linear.default, (x.bfloat16().unsqueeze(0), packed, torch.randn(40), 40)),
         "linear_bf16_gemv": (torch.ops.ulb.linear_bf16.default,
@@ -36,8 +37,9 @@ def op_cases(codes, scales, packed, x):
     }
 
 
-@pytest.mark.parametrize("name", ["pack", "unpack", "retile", "packed_info", "linear_fp32", "linear_bf16_x_bias",
-                                  "linear_bf16_gemv", "quantize_act", "int_dots", "dequantize_packed"])
+@pytest.mark.parametrize("name", ["pack", "unpack", "retile", "packed_info", "verify_packed", "linear_fp32",
+                                  "linear_bf16_x_bias", "linear_bf16_gemv", "quantize_act", "int_dots",
+                                  "dequantize_packed"])
 def test_opcheck(blob_and_inputs, name):
     op, args = op_cases(*blob_and_inputs)[name]
     result = opcheck(op, args)

@@ -174,7 +174,7 @@ def test_packed_not_a_blob(blob, x):
         ops.unpack(blob.view(1, -1))
 
 
-@pytest.mark.parametrize("offset,value,what", [(0, 0x00, "magic"), (4, 0x03, "version"),
+@pytest.mark.parametrize("offset,value,what", [(0, 0x00, "magic"), (4, 0x04, "version"),
                                                (6, 0x09, "format id"), (6, 0x04, "format of another size"),
                                                (8, 0x20, "M"), (16, 0x50, "K"), (24, 0x20, "group size"),
                                                (32, 0x02, "n_groups"), (40, 0x20, "M_pad"),

@@ -86,6 +86,11 @@ def _packed_info_fake(packed):
     return packed.new_empty((8,), dtype=torch.int64)
 
 
+@torch.library.register_fake("ulb::verify_packed")
+def _verify_packed_fake(packed):
+    return packed.new_empty((1,), dtype=torch.int64)
+
+
 @torch.library.register_fake("ulb::quantize_act")
 def _quantize_act_fake(x, packed):
     ctx = torch.library.get_ctx()

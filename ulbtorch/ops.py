@@ -160,12 +160,25 @@ def packed_nbytes(format: str | Format, out_features: int, in_features: int, gro
     return n
 
 
-def packed_info(packed: torch.Tensor) -> dict:
+def packed_info(packed: torch.Tensor, verify: bool = False) -> dict:
+    """The blob's header as a dict. verify=True reads the whole blob first, as
+    a loader should (a pass at memory speed): a ValueError unless its bytes
+    match its checksum, every code is one of the format's and every scale is
+    finite; the dict then says under "checked" whether a checksum vouched for
+    the bytes (False for blobs of version 2, from before checksums)."""
     _check_packed(packed)
-    f, M, K, gs, G, M_pad, K_pad, tiles = torch.ops.ulb.packed_info(packed.cpu()).tolist()
-    return dict(format=FORMATS_BY_ID[f].name, out_features=M, in_features=K,
+    blob = packed.cpu()
+    f, M, K, gs, G, M_pad, K_pad, tiles = torch.ops.ulb.packed_info(blob).tolist()
+    info = dict(format=FORMATS_BY_ID[f].name, out_features=M, in_features=K,
                 group_size=0 if gs >= K_pad else gs, n_groups=G, M_pad=M_pad, K_pad=K_pad,
                 tiles=TILE_ORDERS[tiles])
+    if verify:
+        try:
+            checked = torch.ops.ulb.verify_packed(blob)
+        except RuntimeError as e:  # the header passed above: these are damaged bytes
+            raise ValueError(f"ulbtorch.ops.packed_info: {str(e).removeprefix('ulb.verify_packed: ')}") from None
+        info["checked"] = bool(checked.item())
+    return info
 
 
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,6 +107,8 @@ const char *ulb_status_str(ulb_status s) {
     case ULB_ERR_LAYOUT:
         return "packed weight in the accelerator layout (kmajor), which the CPU kernels do not read; "
                "move the layer to the CPU (layer.cpu()) or retile the blob to vnni";
+    case ULB_ERR_CHECKSUM:
+        return "packed weight damaged: its bytes do not match the checksum in its header";
     }
     return "unknown error";
 }
@@ -170,6 +172,19 @@ ulb_tiles ulb_tiles_preferred(int format) {
                : ULB_TILES_VNNI;
 }
 
+/* A blob written here made current: version 3, its checksum over the rest. */
+static void seal(uint8_t *blob, int64_t nbytes) {
+    const uint16_t version = ULB_BLOB_VERSION;
+    memcpy(blob + offsetof(ulb_header, version), &version, sizeof version);
+    const uint32_t sum = ulb_blob_checksum(blob, nbytes);
+    memcpy(blob + offsetof(ulb_header, checksum), &sum, sizeof sum);
+}
+
+/* Whether a validated blob's bytes match its checksum; a version-2 blob has none to match. */
+static int checksum_ok(const uint8_t *blob, int64_t nbytes, const ulb_header *h) {
+    return h->version < 3 || ulb_blob_checksum(blob, nbytes) == h->checksum;
+}
+
 ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
                     const uint8_t *codes, int64_t ldc, const float *scales,
                     uint8_t *blob, int64_t nbytes) {
@@ -193,8 +208,8 @@ ulb_status ulb_pack_tiles(int format, int tiles, int64_t M, int64_t K, int64_t g
     }
 
     memset(blob, 0, (size_t)nbytes);
-    ulb_header h = {ULB_MAGIC, ULB_BLOB_VERSION, (uint8_t)format, (uint8_t)tiles, M, K, g.group_size,
-                    g.n_groups, g.M_pad, g.K_pad, g.panels_bytes};
+    ulb_header h = {ULB_MAGIC, ULB_BLOB_VERSION, (uint8_t)format, (uint8_t)tiles, M, (int32_t)K, 0,
+                    g.group_size, g.n_groups, g.M_pad, g.K_pad, g.panels_bytes};
     memcpy(blob, &h, sizeof h);
 
     uint8_t *panels = blob + ULB_HEADER_BYTES;
@@ -208,6 +223,7 @@ ulb_status ulb_pack_tiles(int format, int tiles, int64_t M, int64_t K, int64_t g
         for (int64_t gi = 0; gi < g.n_groups; gi++)
             memcpy(panels + ulb_scale_pos(&g.layout, m, gi), &scales[m * g.n_groups + gi], sizeof(float));
     }
+    seal(blob, nbytes);
     return ULB_OK;
 }
 
@@ -217,7 +233,8 @@ ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out)
     memcpy(&h, blob, sizeof h);
     if (h.magic != ULB_MAGIC) return ULB_ERR_BLOB;
     if (h.version == 1) return ULB_ERR_BLOB_VERSION;
-    if (h.version != ULB_BLOB_VERSION) return ULB_ERR_BLOB;
+    /* Version 2 held K in 64 bits: the checksum's bytes were its high half, 0. */
+    if ((h.version == 2 && h.checksum != 0) || h.version < 2 || h.version > ULB_BLOB_VERSION) return ULB_ERR_BLOB;
     blob_geometry g;
     const int64_t gs_arg = h.group_size >= h.K_pad ? 0 : h.group_size;
     if (geometry(h.format, h.tiles, h.M, h.K, gs_arg, &g) != ULB_OK) return ULB_ERR_BLOB;
@@ -273,35 +290,43 @@ static void relayout(const ulb_weight *w, const uint8_t *src, int tiles, uint8_t
     }
 }
 
+/* Every tile of every group of every panel of w (the blob `blob`), in
+ * stream order, from its tile order into `tiles` at out. */
+static void permute_tiles(const ulb_weight *w, const uint8_t *blob, int tiles, uint8_t *out) {
+    for (int64_t p = 0; p < ulb_weight_npanels(w); p++) {
+        const int nt = ulb_panel_ntiles(w->M_pad, p);
+        for (int64_t gi = 0; gi < w->n_groups; gi++) {
+            const int64_t steps = ulb_group_steps(w, gi);
+            const int64_t codes = ulb_group_base(w, p, nt, gi) + nt * ULB_TILE_SCALE_BYTES - blob;
+            for (int64_t t = 0; t < steps * nt; t++) {
+                const uint8_t *src = blob + codes + t * ULB_TILE_BYTES;
+                uint8_t *dst = out + codes + t * ULB_TILE_BYTES;
+                for (int l = 0; l < ULB_TILE; l++)
+                    for (int b = 0; b < 4; b++) dst[ulb_tile_byte(tiles, l, b)] = src[ulb_tile_byte(w->tiles, l, b)];
+            }
+        }
+    }
+}
+
 ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *out) {
     ulb_weight w;
     ulb_status st = any_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
     if (!out || (out < blob + nbytes && blob < out + nbytes)) return ULB_ERR_SHAPE;
-    const int format = blob[offsetof(ulb_header, format)];
+    ulb_header h;
+    ulb_blob_header(blob, nbytes, &h);
+    /* The new blob gets a checksum of its own: it must not vouch for damaged bytes. */
+    if (!checksum_ok(blob, nbytes, &h)) return ULB_ERR_CHECKSUM;
+    const int format = h.format;
     if (tiles == ULB_TILES_PREFERRED) tiles = ulb_tiles_preferred(format);
     if (!tiles_offered(ulb_format_get(format), tiles)) return ULB_ERR_TILES;
     memcpy(out, blob, (size_t)nbytes);
     out[offsetof(ulb_header, tiles)] = (uint8_t)tiles;
-    if (tiles == w.tiles) return ULB_OK;
-    if (tiles == ULB_TILES_KMAJOR || w.tiles == ULB_TILES_KMAJOR) {
+    if (tiles != w.tiles && (tiles == ULB_TILES_KMAJOR || w.tiles == ULB_TILES_KMAJOR))
         relayout(&w, blob + ULB_HEADER_BYTES, tiles, out + ULB_HEADER_BYTES);
-        return ULB_OK;
-    }
-    /* Every tile of every group of every panel, in stream order. */
-    for (int64_t p = 0; p < ulb_weight_npanels(&w); p++) {
-        const int nt = ulb_panel_ntiles(w.M_pad, p);
-        for (int64_t gi = 0; gi < w.n_groups; gi++) {
-            const int64_t steps = ulb_group_steps(&w, gi);
-            const int64_t codes = ulb_group_base(&w, p, nt, gi) + nt * ULB_TILE_SCALE_BYTES - blob;
-            for (int64_t t = 0; t < steps * nt; t++) {
-                const uint8_t *src = blob + codes + t * ULB_TILE_BYTES;
-                uint8_t *dst = out + codes + t * ULB_TILE_BYTES;
-                for (int l = 0; l < ULB_TILE; l++)
-                    for (int b = 0; b < 4; b++) dst[ulb_tile_byte(tiles, l, b)] = src[ulb_tile_byte(w.tiles, l, b)];
-            }
-        }
-    }
+    else if (tiles != w.tiles)
+        permute_tiles(&w, blob, tiles, out);
+    seal(out, nbytes);
     return ULB_OK;
 }
 
@@ -309,12 +334,87 @@ ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float
     ulb_weight w;
     ulb_status st = any_weight_view(blob, nbytes, &w);
     if (st != ULB_OK) return st;
+    ulb_header h;
+    ulb_blob_header(blob, nbytes, &h);
+    if (!checksum_ok(blob, nbytes, &h)) return ULB_ERR_CHECKSUM;
+    const unsigned max_code = (unsigned)ulb_format_get(h.format)->max_code;
     const ulb_layout L = ulb_weight_layout(&w);
     for (int64_t m = 0; m < w.M; m++) {
-        for (int64_t k = 0; k < w.K; k++)
-            codes[m * w.K + k] = (uint8_t)ulb_code_get(w.panels, &L, m, k);
-        for (int64_t g = 0; g < w.n_groups; g++)
+        for (int64_t k = 0; k < w.K; k++) {
+            const unsigned c = ulb_code_get(w.panels, &L, m, k);
+            if (c > max_code) return ULB_ERR_CODE;
+            codes[m * w.K + k] = (uint8_t)c;
+        }
+        for (int64_t g = 0; g < w.n_groups; g++) {
             scales[m * w.n_groups + g] = ulb_scale_get(w.panels, &L, m, g);
+            if (!isfinite(scales[m * w.n_groups + g])) return ULB_ERR_SCALE;
+        }
     }
     return ULB_OK;
+}
+
+/* Whether n bytes of codes `bits` wide hold none above max_code. 8-bit codes
+ * are compared as bytes; narrower ones through a table of the bytes that hold
+ * a code out of range (a width whose every code is valid needs no look). */
+static int codes_in_range(const uint8_t *p, int64_t n, int bits, unsigned max_code) {
+    const unsigned mask = (1u << bits) - 1u;
+    unsigned bad = 0;
+    if (max_code >= mask) return 1;
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) bad |= p[i] > max_code;
+        return !bad;
+    }
+    uint8_t holds_bad[256];
+    for (unsigned v = 0; v < 256; v++) {
+        holds_bad[v] = 0;
+        for (int j = 0; j < 8; j += bits) holds_bad[v] |= ((v >> j) & mask) > max_code;
+    }
+    for (int64_t i = 0; i < n; i++) bad |= holds_bad[p[i]];
+    return !bad;
+}
+
+/* Whether n fp32 scales at p are finite (padding rows hold zeros). */
+static int scales_finite(const uint8_t *p, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, p + 4 * i, sizeof u);
+        bad |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return !bad;
+}
+
+/* Every code and scale of a validated blob's body as ulb_pack makes them,
+ * region by region: KMAJOR's scales then its code words; else each group of
+ * each panel, its scales then its tiles. */
+static ulb_status body_values_ok(const ulb_weight *w, unsigned max_code) {
+    if (w->tiles == ULB_TILES_KMAJOR) {
+        const int64_t scale_bytes = w->n_groups * w->M_pad * 4;
+        if (!scales_finite(w->panels, w->n_groups * w->M_pad)) return ULB_ERR_SCALE;
+        return codes_in_range(w->panels + scale_bytes, w->ksteps * w->M_pad * 4, w->bits, max_code) ? ULB_OK
+                                                                                                      : ULB_ERR_CODE;
+    }
+    for (int64_t p = 0; p < ulb_weight_npanels(w); p++) {
+        const int nt = ulb_panel_ntiles(w->M_pad, p);
+        for (int64_t g = 0; g < w->n_groups; g++) {
+            const uint8_t *base = ulb_group_base(w, p, nt, g);
+            if (!scales_finite(base, nt * ULB_TILE)) return ULB_ERR_SCALE;
+            if (!codes_in_range(base + nt * ULB_TILE_SCALE_BYTES, ulb_group_steps(w, g) * nt * ULB_TILE_BYTES,
+                                w->bits, max_code))
+                return ULB_ERR_CODE;
+        }
+    }
+    return ULB_OK;
+}
+
+ulb_status ulb_blob_verify(const uint8_t *blob, int64_t nbytes, int *checked) {
+    ulb_weight w;
+    ulb_status st = any_weight_view(blob, nbytes, &w);
+    if (st != ULB_OK) return st;
+    ulb_header h;
+    ulb_blob_header(blob, nbytes, &h);
+    if (!checksum_ok(blob, nbytes, &h)) return ULB_ERR_CHECKSUM;
+    st = body_values_ok(&w, (unsigned)ulb_format_get(h.format)->max_code);
+    if (st == ULB_OK && checked) *checked = h.version >= 3;
+    return st;
 }

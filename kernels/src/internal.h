@@ -279,6 +279,10 @@ ulb_store_fn ulb_store_for_isa(ulb_isa isa);
  * KMAJOR blob, whose body they cannot read. */
 ulb_status ulb_weight_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w);
 
+/* The checksum a version-3 header holds for its blob (src/checksum.c); nbytes
+ * is the blob's validated size. */
+uint32_t ulb_blob_checksum(const uint8_t *blob, int64_t nbytes);
+
 /* Thread pool: runs fn over [0, nwork) panels split across nthreads by the
  * scheduler table of `family`; fn(ctx, begin, end) per thread. */
 typedef void (*ulb_range_fn)(void *ctx, int64_t begin, int64_t end);

@@ -11,8 +11,11 @@
  * the scales and codes interleaved in the panel layout of src/layout.h
  * (packed by src/format.c), then one line of zero padding. Every entry point
  * validates the header, so a blob of another format or shape is an error,
- * never garbage. Functions return ulb_status; nothing aborts. What only tests
- * and benchmarks call (probes, scheduler knobs) is in ulb_testing.h. */
+ * never garbage; the header's checksum over the whole blob (version 3) is
+ * checked where a blob is read whole (ulb_blob_verify, ulb_unpack,
+ * ulb_retile), so that damaged bytes on disk do not load as another weight.
+ * Functions return ulb_status; nothing aborts. What only tests and
+ * benchmarks call (probes, scheduler knobs) is in ulb_testing.h. */
 #ifndef ULB_ULB_H
 #define ULB_ULB_H
 
@@ -37,7 +40,8 @@ typedef enum {
     ULB_ERR_SCALE,      /* a scale is NaN or infinite */
     ULB_ERR_BLOB_VERSION, /* packed blob of an older layout version */
     ULB_ERR_TILES,       /* tile order unknown, or not offered for this format */
-    ULB_ERR_LAYOUT       /* a KMAJOR (accelerator) blob handed to a CPU kernel */
+    ULB_ERR_LAYOUT,      /* a KMAJOR (accelerator) blob handed to a CPU kernel */
+    ULB_ERR_CHECKSUM     /* a blob's bytes do not match its header's checksum */
 } ulb_status;
 
 const char *ulb_status_str(ulb_status s);
@@ -50,8 +54,8 @@ typedef enum {
     ULB_FMT_TERNARY = 3,  /* levels {-1,0,1}:     q - 1, code 3 invalid */
     ULB_FMT_BINARY = 4,   /* levels {-1,1}:       2q - 1          */
     ULB_FMT_INT8 = 5,     /* levels -127..127:    q - 127, code 255 invalid (for layers kept near full
-                           * precision, such as lm_head); ulb_pack refuses it, and a blob that holds
-                           * one anyway (not checked on load) gives results that depend on the kernel */
+                           * precision, such as lm_head); ulb_pack, ulb_unpack and ulb_blob_verify
+                           * refuse it (the kernels do not look: they would read it differently) */
     ULB_FMT_INT4 = 6      /* levels -8..7:        q - 8 (llama.cpp's Q4_0 levels) */
 } ulb_format;
 
@@ -111,7 +115,9 @@ typedef struct {
     uint16_t version; /* ULB_BLOB_VERSION */
     uint8_t format;
     uint8_t tiles; /* ulb_tiles; 0 in every blob before LANES existed */
-    int64_t M, K;
+    int64_t M;
+    int32_t K;
+    uint32_t checksum;  /* version 3: of the whole blob (src/checksum.c); before, the high half of a 64-bit K: 0 */
     int64_t group_size; /* == K_pad for one group per row */
     int64_t n_groups;
     int64_t M_pad, K_pad;
@@ -119,7 +125,7 @@ typedef struct {
 } ulb_header;
 
 #define ULB_MAGIC 0x31424c55u /* "ULB1" little-endian */
-#define ULB_BLOB_VERSION 2 /* 1: scales after all codes */
+#define ULB_BLOB_VERSION 3 /* 1: scales after all codes (refused); 2: no checksum (read, unchecked) */
 #define ULB_HEADER_BYTES 64
 
 /* The largest K (in_features) and M (out_features) a blob holds. K keeps
@@ -147,8 +153,15 @@ ulb_status ulb_pack_tiles(int format, int tiles, int64_t M, int64_t K, int64_t g
  * Blobs of either order run under every ISA. */
 ulb_tiles ulb_tiles_preferred(int format);
 
-/* Validates a blob and returns its header. */
+/* Validates a blob's header (not its checksum: every call reads it) and returns it. */
 ulb_status ulb_blob_header(const uint8_t *blob, int64_t nbytes, ulb_header *out);
+
+/* Validates a whole blob, for loaders: its header, its checksum
+ * (ULB_ERR_CHECKSUM), every code in range for the format (ULB_ERR_CODE) and
+ * every scale finite (ULB_ERR_SCALE), as ulb_pack makes them. *checked
+ * (may be NULL) is 1 where the blob carries a checksum, 0 for a version-2
+ * blob, whose bytes no checksum vouches for. */
+ulb_status ulb_blob_verify(const uint8_t *blob, int64_t nbytes, int *checked);
 
 /* The blob in tile order `tiles` (a ulb_tiles or ULB_TILES_PREFERRED), into
  * out (nbytes, not overlapping blob): a byte permutation of each tile, for

@@ -31,6 +31,10 @@ ulb_status ulb_read_probe(const uint8_t *p, int64_t nbytes, int nthreads, uint64
 ulb_status ulb_read_probe_streams(const uint8_t *p, int64_t nbytes, int nthreads, int streams,
                                   uint64_t *checksum);
 
+/* XXH64 of n bytes (the hash of the blob checksum, src/checksum.c), for its
+ * published test vectors. */
+uint64_t ulb_xxh64(const void *data, int64_t n, uint64_t seed);
+
 /* 0: dynamic split (seed 002, EMA gain 0.3); 1: static equal split. */
 void ulb_sched_set_static(int on);
 /* Thread `tid` burns extra time proportional to its work (factor 1.0 =
