@@ -226,24 +226,32 @@ def test_a_float_tensor_of_another_float_dtype_loads_cast(tmp_path):
     assert torch.equal(loaded[0].bias, model[0].bias.bfloat16().float())
 
 
-def test_a_flipped_tile_order_byte_is_refused(tmp_path):
+@pytest.mark.parametrize("resealed", [False, True])
+def test_a_flipped_tile_order_byte_is_refused(tmp_path, resealed):
     """Flipping one bit of byte 7 (the tile order) of a 1-bit blob gives
     another valid header, which loaded and computed with permuted weights:
-    the manifest records each blob's tile order."""
+    the checksum refuses it, and the manifest's tile order refuses it even
+    with a checksum made for the flipped bytes."""
     isa = isa_preferring("vnni") or isa_preferring("lanes")
     with ulbtorch.runtime.use_isa(isa):
         model = _quantized(0, bits=1)
     ulbtorch.save_quantized(model, str(tmp_path))
     tiles = ops.packed_info(model[2].packed)["tiles"]
+    other = "lanes" if tiles == "vnni" else "vnni"
 
     def flip(t):
         blob = t["2.packed"].clone()
         blob[7] ^= 1
-        assert ops.packed_info(blob)["tiles"] != tiles  # still a valid header
-        t["2.packed"] = blob
+        assert ops.packed_info(blob)["tiles"] == other  # still a valid header
+        t["2.packed"] = _reseal(blob) if resealed else blob
     _rewrite(str(tmp_path / "model.safetensors"), flip)
-    _refused_and_unchanged(tmp_path, rf"layer '2': .*2.packed is in the {'lanes' if tiles == 'vnni' else 'vnni'} "
-                                     rf"tile order, but the manifest says {tiles}")
+    _refused_and_unchanged(tmp_path, rf"layer '2': .*2.packed is in the {other} tile order, but the manifest says "
+                                     rf"{tiles}" if resealed else r"layer '2': .*2.packed: .*packed weight damaged")
+    if not resealed:  # the layer, which takes either order on the CPU, goes by the checksum
+        with pytest.raises(RuntimeError, match="packed weight damaged"):
+            model[2].load_state_dict({"packed": load_file(tmp_path / "model.safetensors")["2.packed"],
+                                      "bias": model[2].bias})
+        assert ops.packed_info(model[2].packed)["tiles"] == tiles
 
 
 def test_save_of_a_layer_never_packed_names_it(tmp_path):
@@ -253,3 +261,143 @@ def test_save_of_a_layer_never_packed_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"save_quantized: layer '0' holds no valid packed weight"):
         ulbtorch.save_quantized(model, str(tmp_path))
     assert _entries(tmp_path) == []
+
+
+# ---- blob checksums and code ranges ---------------------------------------------------------------
+
+CHECKSUM = slice(20, 24)  # the header's checksum field (ulb_header.checksum)
+
+
+def _reseal(blob):
+    """blob with the checksum its header should hold for its bytes: XXH64 of
+    the blob with the field zeroed, low 32 bits (kernels/src/checksum.c)."""
+    from ulbtorch._lib import lib
+    b = blob.clone()
+    b[CHECKSUM] = 0
+    b[CHECKSUM] = torch.tensor(list(struct.pack("<I", lib.ulb_xxh64(b.data_ptr(), b.numel(), 0) & 0xFFFFFFFF)),
+                               dtype=torch.uint8)
+    return b
+
+
+def _as_version_2(blob):
+    b = blob.clone()
+    b[4:6] = torch.tensor([2, 0], dtype=torch.uint8)
+    b[CHECKSUM] = 0  # K's high half in version 2
+    return b
+
+
+def test_xxh64_matches_its_published_vectors_and_defines_the_checksum():
+    import ctypes
+
+    from ulbtorch._lib import lib
+    for text, want in [(b"", 0xEF46DB3751D8E999), (b"abc", 0x44BC2CF5AD770999),
+                       (b"Nobody inspects the spammish repetition", 0xFBCEA83C8A378BF1)]:
+        assert lib.ulb_xxh64(ctypes.create_string_buffer(text, len(text) + 1), len(text), 0) == want, text
+    blob = ops.pack(torch.randint(0, 4, (17, 100), dtype=torch.uint8), torch.rand(17, 1) + 0.5, "int2_sym")
+    assert torch.equal(_reseal(blob), blob)
+    assert ops.packed_info(blob, verify=True)["checked"] is True
+
+
+@pytest.mark.parametrize("fmt,tiles", [("binary", "vnni"), ("binary", "lanes"), ("int2_sym", "vnni"),
+                                       ("int8", "kmajor"), ("ternary", "vnni")])
+def test_every_single_bit_flip_of_a_blob_is_refused_by_verify(fmt, tiles):
+    """Flips of the header gave another valid header 154 times in 42 blobs
+    (the tile order of 1-bit blobs among them); the checksum refuses them
+    and every flip of the body too."""
+    f = ulbtorch.formats.FORMATS[fmt]
+    g = torch.Generator().manual_seed(3)
+    blob = ops.pack(torch.randint(0, f.max_code + 1, (20, 64), generator=g, dtype=torch.uint8),
+                    torch.rand(20, 2, generator=g) + 0.5, fmt, 32, tiles=tiles)
+    valid_headers = 0
+    for bit in range(blob.numel() * 8):
+        bad = blob.clone()
+        bad[bit // 8] ^= 1 << (bit % 8)
+        try:
+            ops.packed_info(bad)
+        except RuntimeError:
+            continue
+        valid_headers += bit < 64 * 8
+        with pytest.raises(ValueError, match="packed weight damaged: its bytes do not match the checksum"):
+            ops.packed_info(bad, verify=True)
+    assert valid_headers > 0  # some flips of the header alone still read as a header
+
+
+@pytest.mark.parametrize("fmt,tiles,bad_byte", [("int8", "vnni", 0xFF), ("int8", "kmajor", 0xFF),
+                                                ("ternary", "vnni", 0x03), ("ternary", "kmajor", 0x30)])
+def test_an_out_of_range_code_is_refused_by_unpack_verify_and_load(tmp_path, fmt, tiles, bad_byte):
+    """Code 255 in an int8 blob (no such level) was accepted by unpack and the
+    loaders, and the AMX prefill path read it as another level than every
+    other path; a checksum over it does not make it valid."""
+    with pytest.raises(ValueError, match="codes exceed"):
+        ops.pack(torch.full((4, 16), ulbtorch.formats.FORMATS[fmt].max_code + 1, dtype=torch.uint8),
+                 torch.ones(4, 1), fmt, tiles=tiles)
+    blob = ops.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 1), fmt, tiles=tiles)
+    info = ops.packed_info(blob)
+    codes_at = 64 + (info["n_groups"] * info["M_pad"] * 4 if tiles == "kmajor" else 16 * 4)
+    bad = blob.clone()
+    bad[codes_at] = bad_byte
+    bad = _reseal(bad)
+    with pytest.raises(ValueError, match="weight code out of range for the format"):
+        ops.packed_info(bad, verify=True)
+    with pytest.raises(RuntimeError, match="weight code out of range for the format"):
+        ops.unpack(bad)
+
+
+def test_a_non_finite_scale_is_refused_by_unpack_and_verify():
+    blob = ops.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 1), "int2_sym")
+    bad = blob.clone()
+    bad[64:68] = torch.tensor(list(struct.pack("<f", float("nan"))), dtype=torch.uint8)
+    bad = _reseal(bad)
+    with pytest.raises(ValueError, match="scale is NaN or infinite"):
+        ops.packed_info(bad, verify=True)
+    with pytest.raises(RuntimeError, match="scale is NaN or infinite"):
+        ops.unpack(bad)
+
+
+def test_retile_refuses_a_damaged_blob_and_seals_what_it_makes():
+    blob = ops.pack(torch.randint(0, 2, (20, 64), dtype=torch.uint8), torch.rand(20, 1) + 0.5, "binary", tiles="vnni")
+    bad = blob.clone()
+    bad[100] ^= 4
+    with pytest.raises(RuntimeError, match="checksum"):
+        ops.retile(bad, "lanes")
+    for tiles in ("lanes", "kmajor", "vnni"):
+        out = ops.retile(blob, tiles)
+        assert ops.packed_info(out, verify=True) == dict(ops.packed_info(blob), tiles=tiles, checked=True)
+        assert all(torch.equal(a, b) for a, b in zip(ops.unpack(out), ops.unpack(blob)))
+
+
+def test_a_version_2_blob_reads_unchecked_and_loads_with_a_warning(tmp_path):
+    """Blobs written before checksums still load: packed_info(verify=True)
+    says they are unchecked, load_quantized names them and gives them a
+    checksum, so the next save writes them checked."""
+    model = _quantized(0)
+    old = _as_version_2(model[2].packed)
+    assert ops.packed_info(old, verify=True)["checked"] is False
+    assert all(torch.equal(a, b) for a, b in zip(ops.unpack(old), ops.unpack(model[2].packed)))
+    bad = old.clone()
+    bad[CHECKSUM.start] = 1  # in version 2 the high half of K
+    with pytest.raises(RuntimeError, match="not a valid ulbtorch packed weight"):
+        ops.packed_info(bad)
+    ulbtorch.save_quantized(model, str(tmp_path))
+    _rewrite(str(tmp_path / "model.safetensors"), lambda t: t.update({"2.packed": old}))
+    with pytest.warns(UserWarning, match=r"load_quantized: 1 packed weights in .*model.safetensors \(e.g. 2\) are of "
+                                         "blob version 2, which has no checksum"):
+        loaded = ulbtorch.load_quantized(_mlp(), str(tmp_path), hugepages=False)
+    assert ops.packed_info(loaded[2].packed, verify=True)["checked"] is True
+    assert torch.equal(loaded[2].packed, model[2].packed)  # the blob pack makes today
+    x = torch.randn(3, 64)
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_a_damaged_blob_in_a_checkpoint_is_refused_before_any_change(tmp_path):
+    """A byte of a blob's body changed on disk (the header still valid) loaded
+    and computed with other weights."""
+    ulbtorch.save_quantized(_quantized(0), str(tmp_path))
+
+    def damage(t):
+        blob = t["0.packed"].clone()
+        blob[500] ^= 0x10
+        t["0.packed"] = blob
+    _rewrite(str(tmp_path / "model.safetensors"), damage)
+    _refused_and_unchanged(tmp_path, r"layer '0': .*model.safetensors's 0.packed: ulbtorch.ops.packed_info: packed "
+                                     "weight damaged: its bytes do not match the checksum")

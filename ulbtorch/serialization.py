@@ -102,12 +102,14 @@ def _expert_groups(m: Manifest, here: dict) -> list[tuple[str, nn.Module, str, l
     return out
 
 
-def _check_saved(m: Manifest, weights: str, f, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> None:
+def _check_saved(m: Manifest, weights: str, f, saved: set, name: str, aliases: list[str], new: LowBitLinear) -> bool:
     """That the weights file (open as f) holds the tensors of the layer the
     manifest describes (under one of its names): a packed blob that fits the
-    layer, in the manifest's tile order, a bias of its shape, and a bias only
-    where it says so."""
+    layer, in the manifest's tile order, whose bytes pass ops.packed_info's
+    verify, a bias of its shape, and a bias only where it says so. Returns
+    whether a checksum vouched for the blob (not for blob version 2)."""
     spec = m.layers.get(name)
+    checked = False
     for key, t in new.state_dict(keep_vars=True).items():
         stored = next((f"{a}.{key}" for a in aliases if f"{a}.{key}" in saved), None)
         if stored is None:
@@ -117,15 +119,29 @@ def _check_saved(m: Manifest, weights: str, f, saved: set, name: str, aliases: l
             why = new.packed_mismatch(blob)
             if why:
                 raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored}: {why}")
-            tiles = ops.packed_info(blob)["tiles"]
-            if spec is not None and "tiles" in spec and tiles != spec["tiles"]:
-                raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored} is in the {tiles} tile order, "
-                                 f"but the manifest says {spec['tiles']}: the blob's header is damaged")
+            try:
+                info = ops.packed_info(blob, verify=True)
+            except ValueError as e:
+                raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored}: {e}") from None
+            if spec is not None and "tiles" in spec and info["tiles"] != spec["tiles"]:
+                raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored} is in the {info['tiles']} tile "
+                                 f"order, but the manifest says {spec['tiles']}: the blob's header is damaged")
+            checked = info["checked"]
         elif (shape := list(f.get_slice(stored).get_shape())) != list(t.shape):
             raise ValueError(f"{m.source}: layer {name!r}: {weights}'s {stored} has shape {shape}, the layer's {key} "
                              f"{list(t.shape)}")
     if new.bias is None and any(f"{a}.bias" in saved for a in aliases):
         raise ValueError(f"{m.source}: layer {name!r} has no bias in the manifest but {weights} holds {name}.bias")
+    return checked
+
+
+def _add_checksums(layers: list[LowBitLinear]) -> None:
+    """The blobs of version 2 loaded into `layers` rewritten as current ones
+    (ops.retile into their own tile order), so that from here on, and in the
+    next save, a checksum vouches for them."""
+    for layer in layers:
+        blob = layer.packed
+        layer.packed = ops.retile(blob, ops.packed_info(blob)["tiles"]).to(blob.device)
 
 
 def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) -> nn.Module:
@@ -160,16 +176,19 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
     # (name, its names in the model, in->out there, the layer the manifest describes)
     listed = [(name, names[id(old)], (old.in_features, old.out_features), new) for name, old, new in swaps] + [
         (name, [name], expert_shape(mod, p)[1:3], new) for _, mod, p, per in experts for name, new in per]
+    unchecked = []  # (name, layer) of the blobs of version 2, which carry no checksum
     with safe_open(weights, framework="pt") as f:
         saved = set(f.keys())
         for name, aliases, (in_f, out_f), new in listed:
             if (in_f, out_f) != (new.in_features, new.out_features):
                 raise ValueError(f"{manifest.source}: layer {name!r} is {in_f}->{out_f} in the model "
                                  f"but {new.in_features}->{new.out_features} in the checkpoint")
-            _check_saved(manifest, weights, f, saved, name, aliases, new)
+            if not _check_saved(manifest, weights, f, saved, name, aliases, new):
+                unchecked.append((name, new))
         for name, mod in here.items():  # layers packed already, which the manifest does not list
             if isinstance(mod, LowBitLinear) and name not in layers:
-                _check_saved(manifest, weights, f, saved, name, names[id(mod)], mod)
+                if not _check_saved(manifest, weights, f, saved, name, names[id(mod)], mod):
+                    unchecked.append((name, mod))
         check_every_tensor(weights, f, state_after(model, names, [(old, new) for _, old, new in swaps],
                                                    [(mod, p, PACKED, [new for _, new in per])
                                                     for _, mod, p, per in experts]))
@@ -178,6 +197,12 @@ def load_quantized(model: nn.Module, directory: str, *, hugepages: bool = True) 
     for _, mod, p, per in experts:
         pack_experts(mod, {p: [new for _, new in per]})
     load_model(model, weights, strict=False)  # what is missing or unexpected was refused above
+    if unchecked:
+        warnings.warn(f"load_quantized: {len(unchecked)} packed weights in {weights} (e.g. "
+                      f"{', '.join(n for n, _ in unchecked[:3])}) are of blob version 2, which has no checksum: "
+                      "damage to their bytes could not be detected. They carry one now; save_quantized writes "
+                      "the checkpoint again with it", stacklevel=2)
+        _add_checksums(list({id(layer): layer for _, layer in unchecked}.values()))
     gemv = manifest.bf16_gemv  # the layers that ran as LinearBF16 when saved
     finish_conversion(model, bf16_gemv=gemv, hugepages=hugepages)
     if gemv:

@@ -8,11 +8,11 @@ import os
 import sys
 
 import atheris
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-with atheris.instrument_imports():
-    import torch
+with atheris.instrument_imports(include=["ulbtorch", "blob_cases"]):
     from blob_cases import cases, exercise
 
 CASES = cases(0)

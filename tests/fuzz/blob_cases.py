@@ -5,9 +5,9 @@ blob through every entry point that reads one and checks what each did.
 A blob is refused by raising TypeError, ValueError or RuntimeError; any
 other exception, or a crash, is a bug. Beyond that:
   - no entry point accepts a blob whose header packed_info refuses;
-  - a blob a layer accepts on load (load_state_dict) is, when it carries a
-    checksum, byte for byte the blob that was packed: a damaged checkpoint
-    cannot load as another model."""
+  - a blob a layer accepts on load (load_state_dict) carries a checksum and
+    is byte for byte the blob that was packed: a damaged checkpoint cannot
+    load as another model."""
 from __future__ import annotations
 
 import random
@@ -123,6 +123,6 @@ def exercise(data: bytes, case: Case | None = None) -> str:
         case.layer.load_state_dict({"packed": blob})
     except REFUSALS:
         return "read"
-    if ops.packed_info(blob).get("checked"):
-        assert data == case.blob, f"a damaged blob loaded into {case.name}"
+    assert ops.packed_info(blob, verify=True)["checked"], f"{case.name}: a blob without a checksum"
+    assert data == case.blob, f"a damaged blob loaded into {case.name}"
     return "loaded"

@@ -342,8 +342,8 @@ class LowBitLinear(nn.Module):
         """Why `blob` (default: this layer's) does not fit this layer, or None."""
         blob = self.packed if blob is None else blob
         try:
-            info = ops.packed_info(blob)
-        except (TypeError, RuntimeError) as e:
+            info = ops.packed_info(blob, verify=True)  # the checksum: the header's tile order too
+        except (TypeError, RuntimeError, ValueError) as e:
             return str(e)
         expect = dict(format=self.format, out_features=self.out_features,
                       in_features=self.in_features, group_size=self.group_size)
