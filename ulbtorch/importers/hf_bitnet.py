@@ -2,9 +2,13 @@
 microsoft/bitnet-b1.58-2B-4T and tiiuae/Falcon3-*-1.58bit publish it:
 
 * `<layer>.weight`: uint8 [out/4, in]; byte r of column k holds, in bits
-  2i..2i+1, the ternary value of output row i*out/4 + r as code t+1.
+  2i..2i+1, the ternary value of output row i*out/4 + r as code t+1. An
+  "autobitlinear" checkpoint may instead hold the ternary values unpacked
+  ([out, in] floats -1, 0, 1), which transformers accepts too.
 * `<layer>.weight_scale`: shape (1,). linear_class "bitlinear": W = T / scale;
-  "autobitlinear": W = T * scale.
+  "autobitlinear": W = T * scale, and its bias is scaled with the product.
+* use_rms_norm (Falcon-E): `<layer>.rms_norm.weight`, an RMSNorm of the
+  layer's input before its activations are quantised (NormedLinearTernary).
 * activations: per-token absmax int8, which is exactly what our kernels do, so
   LinearTernary with one per-tensor scale runs these layers losslessly.
 """
@@ -14,6 +18,7 @@ import contextlib
 import json
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +27,7 @@ from torch import nn
 from ..finish import finish_conversion
 from ..nn import LinearTernary, replace_module
 from ..quantize import QuantConfig, linear_layers, run_conversion_hooks
+from .bitnet_norm import NormedLinearTernary
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")
@@ -122,22 +128,56 @@ def _follow_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-def _ternary_layer(tensors: _CheckpointTensors, name: str, lin: nn.Linear, linear_class: str,
-                   dtype: torch.dtype) -> LinearTernary:
-    wkey, skey = name + ".weight", name + ".weight_scale"
-    if skey not in tensors:
-        raise ValueError(f"{tensors.path_of[wkey]}: {wkey} has no {skey}")
-    codes = unpack_hf_bitnet(tensors[wkey], lin.out_features, wkey)
+def _ternary_codes(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Unpacked ternary values (floats -1, 0, 1) -> our codes t + 1."""
+    bad = ~((t == -1) | (t == 0) | (t == 1))
+    if bad.any():
+        r, k = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}: {t[r, k].item()} at row {r}, column {k} is not a ternary value -1, 0 or 1")
+    return (t + 1).to(torch.uint8)
+
+
+def _layer_codes(weight: torch.Tensor, lin: nn.Linear, linear_class: str, wkey: str, path: str) -> torch.Tensor:
+    """The codes of a checkpoint weight: packed uint8 [out/4, in], or for
+    "autobitlinear" the ternary values unpacked [out, in]."""
+    if weight.is_floating_point():
+        if linear_class != "autobitlinear":
+            raise ValueError(f"{path}: {wkey} is {weight.dtype}: a {linear_class!r} checkpoint holds packed uint8 "
+                             "weights (only 'autobitlinear' ones may hold the ternary values unpacked)")
+        if weight.dim() != 2 or tuple(weight.shape) != (lin.out_features, lin.in_features):
+            raise ValueError(f"{path}: {wkey}: unpacked ternary weight of shape {tuple(weight.shape)}, the model "
+                             f"expects ({lin.out_features}, {lin.in_features})")
+        return _ternary_codes(weight.float(), wkey)
+    codes = unpack_hf_bitnet(weight, lin.out_features, wkey)
     if codes.shape[1] != lin.in_features:
         raise ValueError(f"{wkey}: {codes.shape[1]} input features, the model expects {lin.in_features}")
+    return codes
+
+
+def _ternary_layer(tensors: _CheckpointTensors, name: str, lin: nn.Linear, linear_class: str,
+                   dtype: torch.dtype, norm_eps: float | None) -> LinearTernary:
+    wkey, skey, nkey = name + ".weight", name + ".weight_scale", name + ".rms_norm.weight"
+    if skey not in tensors:
+        raise ValueError(f"{tensors.path_of[wkey]}: {wkey} has no {skey}")
+    if norm_eps is not None and nkey not in tensors:
+        raise ValueError(f"{tensors.path_of[wkey]}: {wkey} has no {nkey}, and the config says use_rms_norm")
+    codes = _layer_codes(tensors[wkey], lin, linear_class, wkey, tensors.path_of[wkey])
     ws = tensors[skey].float()
     if ws.numel() != 1 or not torch.isfinite(ws).all() or ws.item() == 0:
         raise ValueError(f"{skey}: expected one finite non-zero scale, got shape {tuple(ws.shape)}")
     scale = 1.0 / ws if linear_class == "bitlinear" else ws
     bias = tensors.get(name + ".bias")
-    return LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1), format="ternary",
-                                    bias=None if bias is None else _follow_dtype(bias, dtype),
-                                    granularity="tensor")
+    if bias is not None:
+        # AutoBitLinear scales its output after adding the bias: the bias is scaled too.
+        bias = _follow_dtype(bias.float() * ws.reshape(()) if linear_class == "autobitlinear" else bias, dtype)
+    layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1), format="ternary",
+                                     bias=bias, granularity="tensor")
+    if norm_eps is None:
+        return layer
+    try:
+        return NormedLinearTernary.from_layer(layer, _follow_dtype(tensors[nkey], dtype), norm_eps)
+    except ValueError as e:
+        raise ValueError(f"{tensors.path_of[nkey]}: {nkey}: {e}") from None
 
 
 def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat16,
@@ -167,9 +207,7 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
     if linear_class not in LINEAR_CLASSES:
         raise ValueError(f"{config_path}: key 'quantization_config.linear_class': expected one of {LINEAR_CLASSES}, "
                          f"got {linear_class!r}")
-    if qc.get("use_rms_norm"):
-        raise NotImplementedError(f"{config_path}: BitNet layers with quantization_config.use_rms_norm=True are not "
-                                  "supported yet")
+    norm_eps = _norm_eps(qc, config_path)
     skip = qc.get("modules_to_not_convert") or ["lm_head"]
     if not isinstance(skip, list) or not all(isinstance(n, str) for n in skip):
         raise ValueError(f"{config_path}: key 'quantization_config.modules_to_not_convert': expected a list of "
@@ -186,8 +224,9 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
         if missing_layers:
             raise ValueError(f"{directory}: no packed weight for layers {missing_layers[:5]}")
         for name, lin in targets.items():
-            replace_module(model, name, _ternary_layer(tensors, name, lin, linear_class, dtype))
-        dense = {k: _follow_dtype(tensors[k], dtype) for k in tensors if k.rsplit(".", 1)[0] not in targets}
+            replace_module(model, name, _ternary_layer(tensors, name, lin, linear_class, dtype, norm_eps))
+        owned = {f"{n}.{k}" for n in targets for k in ("weight", "weight_scale", "bias", "rms_norm.weight")}
+        dense = {k: _follow_dtype(tensors[k], dtype) for k in tensors if k not in owned}
     model.load_state_dict(dense, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -196,26 +235,49 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
         raise ValueError(f"{directory}: checkpoint lacks tensors {still_meta[:5]}")
     # as quantize_: the bf16 layers left (lm_head) on the one-token bf16 GEMV
     finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
-    # ulbtorch's own config, so that save_pretrained writes a checkpoint from_pretrained loads packed
+    _record_config(model, bf16_gemv)
+    return model.eval()
+
+
+def _norm_eps(qc: dict, where: str) -> float | None:
+    """The eps of the layers' RMSNorms where the config has use_rms_norm, else None."""
+    if not qc.get("use_rms_norm"):
+        return None
+    eps = qc.get("rms_norm_eps")
+    eps = 1e-6 if eps is None else eps  # transformers' BitNetQuantConfig default
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{where}: key 'quantization_config.rms_norm_eps': expected a number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _record_config(model: nn.Module, bf16_gemv: bool) -> None:
+    """ulbtorch's own config, so that save_pretrained writes a checkpoint
+    from_pretrained loads packed; none for layers with a norm, which no
+    UlbConfig describes (from_pretrained would build them without it)."""
+    if any(isinstance(m, NormedLinearTernary) for m in model.modules()):
+        warnings.warn("the BitNet layers hold an RMSNorm each (use_rms_norm): ulbtorch's save_pretrained / "
+                      "from_pretrained and save_quantized / load_quantized do not carry those norms, so keep the "
+                      "checkpoint and load it again with load_bitnet_checkpoint", stacklevel=3)
+        return
     run_conversion_hooks(model, QuantConfig(format="ternary", granularity="tensor",
                                             exclude=[n for n, _ in linear_layers(model, lambda n: True)],
                                             bf16_gemv=bf16_gemv))
-    return model.eval()
 
 
 def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Module:
     """After transformers' own `from_pretrained` of a BitNet checkpoint: swap
-    its BitLinear / AutoBitLinear layers for LinearTernary, in place. The
-    model's quantization config becomes ulbtorch's, so save_pretrained and
-    from_pretrained keep working. bf16_gemv as in quantize_ (and recorded in
-    that config, so a reload gets the same layers)."""
+    its BitLinear / AutoBitLinear layers for LinearTernary (NormedLinearTernary
+    where they hold an RMSNorm, use_rms_norm), in place. The model's
+    quantization config becomes ulbtorch's, so save_pretrained and
+    from_pretrained keep working (not for layers with a norm: see
+    _record_config). bf16_gemv as in quantize_ (and recorded in that config,
+    so a reload gets the same layers)."""
     from transformers.integrations.bitnet import AutoBitLinear, BitLinear
 
-    converted = 0
+    built = []
     for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, (BitLinear, AutoBitLinear))]:
-        if getattr(m, "rms_norm", None) is not None:
-            raise NotImplementedError(f"{name}: BitNet layers with use_rms_norm=True are not supported yet")
         ws = m.weight_scale.detach().float().reshape(-1)
+        bias = m.bias
         if isinstance(m, BitLinear):
             codes = unpack_hf_bitnet(m.weight.detach(), m.out_features, name + ".weight")
             scale = 1.0 / ws
@@ -223,31 +285,42 @@ def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Modu
             if getattr(m, "online_quant", False):
                 raise ValueError(f"{name}: AutoBitLinear in online mode holds float weights; "
                                  "use ulbtorch.quantize_(model, bits='ternary', granularity='tensor')")
-            t = m.weight.detach().float()
-            if not bool(((t == -1) | (t == 0) | (t == 1)).all()):
-                raise ValueError(f"{name}.weight: not ternary after loading")
-            codes = (t + 1).to(torch.uint8)
+            codes = _ternary_codes(m.weight.detach().float(), f"{name}.weight (after loading)")
             scale = ws
+            if bias is not None:  # its forward scales the output after adding the bias
+                bias = (bias.detach().float() * ws.reshape(())).to(bias.dtype)
         out_features = codes.shape[0]
         layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(out_features, 1), format="ternary",
-                                         bias=m.bias, granularity="tensor")
-        replace_module(model, name, layer)
-        converted += 1
-    if not converted:
+                                         bias=bias, granularity="tensor")
+        norm = getattr(m, "rms_norm", None)
+        if norm is not None:
+            layer = NormedLinearTernary.from_layer(layer, norm.weight, norm.variance_epsilon)
+        built.append((name, layer))
+    if not built:
         raise ValueError("model has no BitLinear/AutoBitLinear layers to convert")
+    for name, layer in built:  # every layer built first: a failure leaves the model as it was
+        replace_module(model, name, layer)
+    normed = any(isinstance(layer, NormedLinearTernary) for _, layer in built)
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "quantization_config", None) is not None:
-        from ..integrations.transformers import UlbConfig, UlbHfQuantizer
-
         qc = config.quantization_config
-        skip = getattr(qc, "modules_to_not_convert", None) or ["lm_head"]
-        ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip),
-                        bf16_gemv=bf16_gemv)
-        config.quantization_config = ulb
-        model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
+        if normed:
+            # BitNet's config would make from_pretrained build its own layers around our buffers
+            del config.quantization_config
+            model.hf_quantizer = None
+        else:
+            from ..integrations.transformers import UlbConfig, UlbHfQuantizer
+
+            skip = getattr(qc, "modules_to_not_convert", None) or ["lm_head"]
+            ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip),
+                            bf16_gemv=bf16_gemv)
+            config.quantization_config = ulb
+            model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
         if hasattr(model, "_weight_conversions"):
             # transformers would replay BitNet's load-time conversion backwards
             # on save; our layers are saved as they are.
             model._weight_conversions = []
+    if normed:
+        _record_config(model, bf16_gemv)  # the warning
     finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
     return model
