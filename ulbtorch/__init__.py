@@ -20,8 +20,12 @@ def __getattr__(name):
         from .integrations.transformers import UlbConfig
 
         return UlbConfig
+    if name in ("load_gguf", "save_gguf"):  # the importers load transformers on use
+        from . import importers
+
+        return getattr(importers, name)
     raise AttributeError(f"module 'ulbtorch' has no attribute {name!r}")
 
 __all__ = ["hugepages", "ops", "reference", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "Linear4Bit", "Linear8Bit", "LinearTernary",
            "LowBitLinear", "LinearBF16", "QuantConfig", "quantize_", "bf16_gemv_", "save_quantized",
-           "load_quantized"]
+           "load_quantized", "load_gguf", "save_gguf"]
