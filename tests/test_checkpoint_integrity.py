@@ -334,13 +334,14 @@ def test_an_out_of_range_code_is_refused_by_unpack_verify_and_load(tmp_path, fmt
     blob = ops.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 1), fmt, tiles=tiles)
     info = ops.packed_info(blob)
     codes_at = 64 + (info["n_groups"] * info["M_pad"] * 4 if tiles == "kmajor" else 16 * 4)
-    bad = blob.clone()
-    bad[codes_at] = bad_byte
-    bad = _reseal(bad)
-    with pytest.raises(ValueError, match="weight code out of range for the format"):
-        ops.packed_info(bad, verify=True)
-    with pytest.raises(RuntimeError, match="weight code out of range for the format"):
-        ops.unpack(bad)
+    for at in (codes_at, codes_at + 3, codes_at + 7, codes_at + 61, blob.numel() - 65):  # each byte of a word
+        bad = blob.clone()
+        bad[at] = bad_byte
+        bad = _reseal(bad)
+        with pytest.raises(ValueError, match="weight code out of range for the format"):
+            ops.packed_info(bad, verify=True)
+        with pytest.raises(RuntimeError, match="weight code out of range for the format"):
+            ops.unpack(bad)
 
 
 def test_a_non_finite_scale_is_refused_by_unpack_and_verify():

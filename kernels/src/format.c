@@ -353,22 +353,48 @@ ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float
     return ULB_OK;
 }
 
-/* Whether n bytes of codes `bits` wide hold none above max_code. 8-bit codes
- * are compared as bytes; narrower ones through a table of the bytes that hold
- * a code out of range (a width whose every code is valid needs no look). */
+/* Bit 0 of each `bits`-wide field of w (bits a power of two) is set where
+ * the whole field is ones: the AND of the field's halves, then quarters, ... */
+static inline uint64_t all_ones_fields(uint64_t w, int bits) {
+    for (int s = 1; s < bits; s <<= 1) w &= w >> s;
+    return w;
+}
+
+/* Whether a word-aligned run of n bytes (a multiple of 8) holds a field of
+ * all ones; inlined with `bits` a constant, the loop vectorises. */
+static inline int any_all_ones(const uint8_t *p, int64_t n, int bits) {
+    uint64_t field_lsb = 0, bad = 0;
+    for (int j = 0; j < 64; j += bits) field_lsb |= 1ull << j;
+    for (int64_t i = 0; i < n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, sizeof w);
+        bad |= all_ones_fields(w, bits);
+    }
+    return (bad & field_lsb) != 0;
+}
+
+/* Whether n bytes (a multiple of 8: whole tiles, or KMAJOR's words) of codes
+ * `bits` wide hold none above max_code. Where only the all-ones code is
+ * invalid (ternary's 3, int8's 255), 8 bytes at a time; other limits through
+ * a table of the bytes that hold a code out of range; a width whose every
+ * code is valid needs no look. */
 static int codes_in_range(const uint8_t *p, int64_t n, int bits, unsigned max_code) {
     const unsigned mask = (1u << bits) - 1u;
-    unsigned bad = 0;
     if (max_code >= mask) return 1;
-    if (bits == 8) {
-        for (int64_t i = 0; i < n; i++) bad |= p[i] > max_code;
-        return !bad;
+    if (max_code == mask - 1) {
+        switch (bits) {
+        case 1: return !any_all_ones(p, n, 1);
+        case 2: return !any_all_ones(p, n, 2);
+        case 4: return !any_all_ones(p, n, 4);
+        default: return !any_all_ones(p, n, 8);
+        }
     }
     uint8_t holds_bad[256];
     for (unsigned v = 0; v < 256; v++) {
         holds_bad[v] = 0;
         for (int j = 0; j < 8; j += bits) holds_bad[v] |= ((v >> j) & mask) > max_code;
     }
+    unsigned bad = 0;
     for (int64_t i = 0; i < n; i++) bad |= holds_bad[p[i]];
     return !bad;
 }
