@@ -132,9 +132,18 @@ def summarise_scheduler(title: str, rows: list[dict]) -> list[dict]:
             for r in rows if r.get("split") == "dynamic" and r.get("gain")]
 
 
+def summarise_checksum(title: str, rows: list[dict]) -> list[dict]:
+    return [dict(what=f"{title}: `ops.packed_info(blob, verify=True)`, {r['format']} ({r['blob_mib']:.1f} MiB "
+                      "blobs) from DRAM",
+                 ours=f"{r['verify_cold']:.1f} GB/s (the hash alone {r['hash_cold']:.1f}; in cache "
+                      f"{r['verify_hot']:.1f})",
+                 pct_same_read=fmt_pct(r.get("verify_pct_read")))
+            for r in rows]
+
+
 SUMMARIES = {"gemv.py": summarise_gemv, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
-             "scheduler.py": summarise_scheduler}
+             "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum}
 
 
 def machine_of_env(env: dict) -> str:
