@@ -109,35 +109,22 @@ def write_gguf(path, model, types, arch="llama", tokens=None, merges=(), extra=N
         module, _, suffix = hf_name.rpartition(".")
         if getattr(cfg, "tie_word_embeddings", False) and module == "lm_head":
             continue
-        name = f"{name_map.get_name(module)}.{suffix}"
         values = t.detach().float().numpy()
+        if suffix in ("gate_up_proj", "down_proj") and module.endswith(".experts"):
+            # transformers fuses the experts' gate and up projections; llama.cpp keeps ffn_{gate,up,down}_exps
+            block = hf_name.split(".")[2]
+            half = values.shape[1] // 2
+            parts = {"gate": values[:, :half], "up": values[:, half:]} if suffix == "gate_up_proj" else {
+                "down": values}
+            for part, v in parts.items():
+                name = f"blk.{block}.ffn_{part}_exps.weight"
+                _add(w, name, np.ascontiguousarray(v), types(name, v), expected)
+            continue
+        name = f"{name_map.get_name(module)}.{suffix}"
         if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
             kv = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
             values = llama_permute(values, cfg.num_attention_heads, kv)
-        ttype = int(T.F32) if values.ndim == 1 else types(name, values)
-        if ttype == int(T.F32):
-            w.add_tensor(name, values.astype(np.float32))
-            expected[name] = values.astype(np.float32)
-        elif ttype == int(T.F16):
-            w.add_tensor(name, values.astype(np.float16))
-            expected[name] = values.astype(np.float16).astype(np.float32)
-        elif ttype == int(T.Q1_0):
-            blocks = q1_0_blocks(values)
-            w.add_tensor(name, blocks, raw_dtype=T.Q1_0)
-            expected[name] = q1_0_dequantize(blocks)
-        elif ttype == I2_S:
-            tern = ternarize(values)
-            scale = float(np.abs(tern).max())
-            data = i2_s_bytes(np.sign(tern).astype(np.int8), scale)
-            # int8 so that gguf-py's writer takes the shape as given and writes the type number as it is
-            w.add_tensor(name, data.view(np.int8), raw_shape=values.shape, raw_dtype=I2_S)
-            expected[name] = i2_s_dequantize(data, values.size).reshape(values.shape)
-        else:
-            if ttype in (int(T.TQ1_0), int(T.TQ2_0)):
-                values = ternarize(values)
-            blocks = gguf.quants.quantize(values, T(ttype))
-            w.add_tensor(name, blocks, raw_dtype=T(ttype))
-            expected[name] = gguf.quants.dequantize(blocks, T(ttype))
+        _add(w, name, values, int(T.F32) if values.ndim == 1 else types(name, values), expected)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -145,13 +132,42 @@ def write_gguf(path, model, types, arch="llama", tokens=None, merges=(), extra=N
     return expected
 
 
+def _add(w, name, values, ttype, expected):
+    """One tensor of `ttype`, and into expected what dequantising it gives back."""
+    if ttype == int(T.F32):
+        w.add_tensor(name, values.astype(np.float32))
+        expected[name] = values.astype(np.float32)
+    elif ttype == int(T.F16):
+        w.add_tensor(name, values.astype(np.float16))
+        expected[name] = values.astype(np.float16).astype(np.float32)
+    elif ttype == int(T.Q1_0):
+        blocks = q1_0_blocks(values)
+        w.add_tensor(name, blocks, raw_dtype=T.Q1_0)
+        expected[name] = q1_0_dequantize(blocks).reshape(values.shape)
+    elif ttype == I2_S:
+        tern = ternarize(values)
+        scale = float(np.abs(tern).max())
+        data = i2_s_bytes(np.sign(tern).astype(np.int8), scale)
+        # int8 so that gguf-py's writer takes the shape as given and writes the type number as it is
+        w.add_tensor(name, data.view(np.int8), raw_shape=values.shape, raw_dtype=I2_S)
+        expected[name] = i2_s_dequantize(data, values.size).reshape(values.shape)
+    else:
+        if ttype in (int(T.TQ1_0), int(T.TQ2_0)):
+            values = ternarize(values)
+        blocks = gguf.quants.quantize(values, T(ttype))
+        w.add_tensor(name, blocks, raw_dtype=T(ttype))
+        expected[name] = gguf.quants.dequantize(blocks, T(ttype)).reshape(values.shape)
+
+
 def tiny(kind="llama", seed=0, **overrides):
     import transformers
     cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=320, max_position_embeddings=64, tie_word_embeddings=False)
     cfg.update(overrides)
+    if kind == "qwen3_moe":  # transformers' GGUF mapping reads no moe_intermediate_size: its default it is
+        cfg.update(num_experts=4, num_experts_per_tok=2, head_dim=128)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "qwen3": transformers.Qwen3Config}[kind](**cfg)
+              "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[kind](**cfg)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -165,6 +165,30 @@ def test_load_is_bit_for_bit_and_logits_match_transformers(tmp_path, kind):
     assert (kernels - ref).abs().max() <= 2e-2 * ref.abs().max()  # int8 activations: a step may move (_tiny_llama)
 
 
+def test_mixture_of_experts_experts_stay_float(tmp_path):
+    """Qwen3-MoE: the attention layers packed, the experts (3-D, not nn.Linear) and the router dequantised
+    into float as transformers loads them; the logits are transformers' own."""
+    source = gw.tiny("qwen3_moe")
+    gw.write_gguf(tmp_path / "m.gguf", source, by_name(LLAMA_TYPES, default=T.Q8_0), arch="qwen3moe",
+                  extra={"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2})
+    model = ulbtorch.load_gguf(tmp_path / "m.gguf", dtype=torch.float32)
+    reference = fake_quantized(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="m.gguf", dtype=torch.float32)).eval()
+    theirs = dict(reference.named_modules())
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LowBitLinear)}
+    assert len(layers) == 9  # 4 attention projections a layer and lm_head
+    for name, layer in layers.items():
+        assert torch.equal(layer.dequantize(), theirs[name].weight), name
+        layer.force_reference = True
+    ref_state = reference.state_dict()
+    for name, t in model.state_dict().items():
+        if not name.endswith(".packed"):
+            assert torch.equal(t, ref_state[name]), name
+    with torch.no_grad():
+        ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 def test_q1_0_and_i2_s_model_loads_and_runs(tmp_path):
     source = gw.tiny("llama")
     expected = gw.write_gguf(tmp_path / "m.gguf", source, by_name(ONE_BIT_TYPES))
@@ -322,6 +346,23 @@ def test_save_gguf_round_trip_is_exact_and_gguf_py_reads_it(tmp_path):
     assert mine.keys() == theirs.keys()
     for name, t in mine.items():  # the packed blobs too: the same codes and scales, packed the same way
         assert torch.equal(t, theirs[name]), name
+
+
+def test_save_gguf_writes_the_tokenizer_and_a_tied_embedding(tmp_path):
+    source = gw.tiny("llama", tie_word_embeddings=True)
+    gw.write_gguf(tmp_path / "in.gguf", source, by_name(LLAMA_TYPES), tokens=TOKENS, merges=MERGES)
+    model, tokenizer = ulbtorch.load_gguf(tmp_path / "in.gguf", with_tokenizer=True)  # bf16: embedding, norms
+    ulbtorch.save_gguf(model, tmp_path / "out.gguf", tokenizer=tokenizer, tokenizer_pre="llama-bpe")
+    reader = gguf.GGUFReader(tmp_path / "out.gguf")
+    names = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert "output.weight" not in names and names["token_embd.weight"] == "BF16"
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "llama-bpe"
+    assert reader.fields["tokenizer.ggml.merges"].contents() == MERGES
+    again, tokenizer_again = ulbtorch.load_gguf(tmp_path / "out.gguf", with_tokenizer=True)
+    text = "hello, hell"
+    assert tokenizer_again(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
 def test_save_gguf_of_quantize_rounds_scales_to_fp16(tmp_path):

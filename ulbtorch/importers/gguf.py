@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import ops
 from ..finish import finish_conversion
-from ..integrations.hf_experts import router_names
+from ..integrations.hf_experts import fused_weight_names, is_fused_experts, router_names
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear
 from ..nn.replace import is_plain_linear, module_names, replace_everywhere
 from ..quantize import LM_HEAD, QuantConfig, linear_layers, run_conversion_hooks
@@ -252,7 +252,8 @@ def _record_config(model: nn.Module, bf16_gemv: bool) -> None:
                       stacklevel=3)
         return
     fmt, gs, gran = main.pop()
-    exclude = [n for n, _ in linear_layers(model, lambda n: True)] + [n for n, _ in head]
+    exclude = [n for n, _ in linear_layers(model, lambda n: True)] + [n for n, _ in head] + [
+        f"{n}.{p}" for n, m in model.named_modules() if is_fused_experts(m) for p in fused_weight_names(m)]
     run_conversion_hooks(model, QuantConfig(format=fmt, group_size=gs, granularity=gran,
                                             exclude=exclude or list(LM_HEAD), bf16_gemv=bf16_gemv, **head_kw))
 
