@@ -97,7 +97,8 @@ def test_gemv_split_over_k(fmt, monkeypatch):
     groups to a program) adds up to the C kernels' sums and outputs."""
     from ulbtorch.triton import gemv
     f = FORMATS[fmt]
-    monkeypatch.setattr(gemv, "CODES_PER_PROGRAM", 3 * f.tile_k)
+    # 16 rows and 4 words of codes a program: 3 row blocks, several segments, groups of 2 words.
+    monkeypatch.setitem(gemv.CONFIGS, f.bits, (16, 4 * f.tile_k, 4))
     M, K = 40, 11 * f.tile_k + 1
     for granularity in ("channel", "group"):
         blob, gs = _weight(fmt, M, K, granularity, seed=3)

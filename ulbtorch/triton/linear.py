@@ -18,13 +18,20 @@ from ..formats import FORMATS_BY_ID
 from ..ops import packed_nbytes
 from .act_quant import quantize_activations
 from .gemm import gemm_grid, gemm_kernel
-from .gemv import GEMV_MAX_TOKENS, gemv_store_kernel, gemv_sums_kernel, segments
+from .gemv import CONFIGS as GEMV_CONFIGS
+from .gemv import GEMV_MAX_TOKENS, gemv_store_kernel, gemv_sums_kernel, pack_activations, segments
 from .kernel_parts import LAUNCH_OPTIONS, Y_BF16, Y_F16, Y_F32
 
 Y_KINDS = {torch.float32: Y_F32, torch.bfloat16: Y_BF16, torch.float16: Y_F16}
-# Codes per block of K in the GEMV and the GEMM.
-GEMV_BLOCK_K, GEMM_BLOCK_K = 128, 64
-GEMV_BLOCK_M, GEMM_BLOCK_M, GEMM_BLOCK_N = 32, 64, 32
+# The GEMM's blocks: tokens, rows, codes of K (the GEMV's: gemv.CONFIGS).
+GEMM_BLOCK_N, GEMM_BLOCK_M, GEMM_BLOCK_K = 32, 64, 64
+STORE_BLOCK_M = 128
+
+
+def dp4a_serves(device: torch.device) -> bool:
+    """Whether the GEMV may use PTX's dp4a: compiled for an NVIDIA GPU (a
+    ROCm build of torch calls its GPU "cuda" too)."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def geometry(format_id: int, M: int, K: int, group_size: int) -> dict:
@@ -86,14 +93,17 @@ def run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, format
     if N == 0:
         pass
     elif N <= GEMV_MAX_TOKENS:
-        seg = segments(fmt.tile_k, g["K_pad"], g["group_size"], g["n_groups"])
+        seg = segments(fmt.bits, g["K_pad"], g["group_size"], g["n_groups"])
+        block_m, _, warps = GEMV_CONFIGS[fmt.bits]
         part = torch.empty(seg["segs"], N, g["M_pad"], dtype=torch.int32, device=x.device)
-        grid = (N, triton.cdiv(M, GEMV_BLOCK_M), triton.cdiv(seg["segs"], seg["segs_per_program"]))
-        gemv_sums_kernel[grid](xq, words, part, N, M, g["M_pad"], g["K_pad"], seg["seg_words"], seg["segs"],
-                               seg["segs_per_program"], BLOCK_M=GEMV_BLOCK_M, BLOCK_W=GEMV_BLOCK_K // fmt.tile_k,
-                               **levels, **LAUNCH_OPTIONS)
-        gemv_store_kernel[grid[:2]](part, xscale, scales, bias_arg, y_arg, s, N, M, g["M_pad"], g["n_groups"],
-                                    seg["segs"], seg["segs_per_group"], M, BLOCK_M=GEMV_BLOCK_M, **out)
+        grid = (N, triton.cdiv(M, block_m), triton.cdiv(seg["segs"], seg["segs_per_program"]))
+        gemv_sums_kernel[grid](pack_activations(xq, fmt.tile_k), words, part, N, M, g["M_pad"], g["K_pad"],
+                               seg["seg_words"], seg["segs"], seg["segs_per_program"], BLOCK_M=block_m,
+                               BLOCK_W=seg["block_words"], PTX=dp4a_serves(x.device), num_warps=warps, **levels,
+                               **LAUNCH_OPTIONS)
+        gemv_store_kernel[(N, triton.cdiv(M, STORE_BLOCK_M))](
+            part, xscale, scales, bias_arg, y_arg, s, N, M, g["M_pad"], g["n_groups"], seg["segs"],
+            seg["segs_per_group"], M, BLOCK_M=STORE_BLOCK_M, **out)
     else:
         gemm_kernel[gemm_grid(N, M, GEMM_BLOCK_N, GEMM_BLOCK_M)](
             xq, xscale, words, scales, bias_arg, y_arg, s, N, M, g["M_pad"], g["K_pad"], g["n_groups"],
