@@ -40,6 +40,7 @@ RUNS = {
 }
 if importlib.util.find_spec("triton"):  # the GPU benchmark's paths, in Triton's interpreter on the CPU
     RUNS["gpu_smoke"] = (["gpu.py", "--smoke", "--decode", "tiny", "--formats", "int2_sym"], "HF greedy decode")
+    RUNS["triton_sass"] = (["triton_sass.py"], "instr/weight")
 try:
     from ulbtorch import hugepages as _hugepages
     _THP = _hugepages.available()

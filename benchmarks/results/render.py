@@ -141,7 +141,15 @@ def summarise_checksum(title: str, rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
-SUMMARIES = {"gemv.py": summarise_gemv, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
+def summarise_triton_sass(title: str, rows: list[dict]) -> list[dict]:
+    return [dict(what=f"Triton GEMV inner loop, {r['bits']}-bit codes, {r['block_m']} rows x {r['block_k']} codes, "
+                      f"{r['warps']} warps{' (the blocks in use)' if r['used'] else ''}: instructions per weight "
+                      f"per thread (an H200 keeps up with HBM up to {r['h200_bound']:.2f})",
+                 ours=f"{r['per_weight']:.2f}")
+            for r in rows]
+
+
+SUMMARIES = {"gemv.py": summarise_gemv, "triton_sass.py": summarise_triton_sass, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
              "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum}
 

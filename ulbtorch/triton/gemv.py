@@ -27,8 +27,8 @@ from .kernel_parts import store_rows
 GEMV_MAX_TOKENS = 8
 # Per code width: rows per program, codes of K per block (a program reads
 # one block of its rows per segment without groups), warps. Chosen by the
-# instructions per weight of the compiled inner loop (sm_90 SASS; see
-# benchmarks/results/notes_from_code.md), not yet by timings on a GPU.
+# instructions per weight of the compiled inner loop (sm_90 SASS,
+# benchmarks/triton_sass.py), not yet by timings on a GPU.
 CONFIGS = {1: (128, 512, 4), 2: (128, 512, 4), 4: (64, 512, 4), 8: (32, 512, 4)}
 
 
