@@ -35,6 +35,7 @@ RUNS = {
                     "--profile", "--shapes", "{shapes}"], "Amdahl"),
     "decode_moe_ab": (["decode.py", "--quick", "--config", "olmoe-1b-7b", "--vocab-size", "1000", "--tokens", "2",
                        "--experts-ab", "2", "--shapes", "{shapes}"], "same tokens: True"),
+    "checksum": (["checksum.py", "--quick"], "blob checks at load"),
     "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
                    "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }

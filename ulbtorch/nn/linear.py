@@ -224,7 +224,7 @@ class LowBitLinear(nn.Module):
             # __setattr__ and load_state_dict check a new blob; bytes written
             # into `packed` in place are checked here, before dequantize(),
             # the reference path or backward read them under this layer's format.
-            why = self.packed_mismatch()
+            why = self.packed_mismatch(verify=False)  # ulb.unpack checks the bytes themselves
             if why:
                 raise RuntimeError(f"{type(self).__name__}.packed was overwritten in place: {why}")
         codes, scales = ops.unpack(self.packed)
@@ -338,11 +338,13 @@ class LowBitLinear(nn.Module):
         return torch.nn.functional.linear(xq, w, bias).to(x.dtype)
 
     # ---- state dict -----------------------------------------------------------
-    def packed_mismatch(self, blob: torch.Tensor | None = None) -> str | None:
-        """Why `blob` (default: this layer's) does not fit this layer, or None."""
+    def packed_mismatch(self, blob: torch.Tensor | None = None, verify: bool = True) -> str | None:
+        """Why `blob` (default: this layer's) does not fit this layer, or None.
+        verify: its bytes checked against the checksum too (the header's tile
+        order included), a pass over the blob."""
         blob = self.packed if blob is None else blob
         try:
-            info = ops.packed_info(blob, verify=True)  # the checksum: the header's tile order too
+            info = ops.packed_info(blob, verify=verify)
         except (TypeError, RuntimeError, ValueError) as e:
             return str(e)
         expect = dict(format=self.format, out_features=self.out_features,
