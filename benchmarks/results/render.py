@@ -149,9 +149,19 @@ def summarise_triton_sass(title: str, rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
+def summarise_load(title: str, rows: list[dict]) -> list[dict]:
+    ours = next((r for r in rows if r["variant"] == "load_gguf"), None)
+    if ours is None:
+        return []
+    peers = [r for r in rows if r is not ours]
+    line = lambda r: f"{r['total_s']:.1f} s, peak {r['peak_over_imports_mib']:.0f} MiB over its imports"  # noqa: E731
+    return [dict(what=f"{title}: ulbtorch.load_gguf ({ours['file_mib']:.0f} MiB file)", ours=line(ours),
+                 vs_peer="; ".join(f"{r['variant']}: {line(r)}" for r in peers) or "-")]
+
+
 SUMMARIES = {"gemv.py": summarise_gemv, "triton_sass.py": summarise_triton_sass, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
-             "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum}
+             "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum, "load.py": summarise_load}
 
 
 def machine_of_env(env: dict) -> str:

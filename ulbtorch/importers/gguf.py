@@ -27,11 +27,12 @@ from ..integrations.hf_experts import fused_weight_names, is_fused_experts, rout
 from ..nn import MODULE_FOR_FORMAT, LowBitLinear
 from ..nn.replace import is_plain_linear, module_names, replace_everywhere
 from ..quantize import LM_HEAD, QuantConfig, linear_layers, run_conversion_hooks
-from .gguf_blocks import DECODED_AS, FLOAT_TYPES, decode, type_name
+from .gguf_blocks import DECODED_AS, FLOAT_TYPES, I2_S, decode, type_name
 from .gguf_file import GGUFFile, TensorInfo
 from .hf_bitnet import _params_on_meta
 
 OTHER_TYPES = ("error", "float")
+CHUNK_BYTES = 64 << 20  # float32 values of a float tensor dequantised at a time
 
 
 def _transformers_view(f: GGUFFile, with_tokenizer: bool):
@@ -62,24 +63,28 @@ def _where(f: GGUFFile, info: TensorInfo) -> str:
     return f"{f.path}: tensor {info.name!r} ({info.type_name}, shape {list(info.shape)})"
 
 
-def _float_values(f: GGUFFile, info: TensorInfo) -> np.ndarray:
-    """The tensor in float32: gguf-py's dequantisation, or ours (ggml's rule)
-    for the types gguf-py cannot dequantise (Q1_0, I2_S)."""
+def _float_values(f: GGUFFile, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows start..stop of the tensor in float32 ([rows, K]; the whole
+    tensor in its own shape by default): gguf-py's dequantisation, or ours
+    (ggml's rule) for the types gguf-py cannot dequantise (Q1_0, I2_S)."""
     import gguf
 
-    raw = f.raw(info)
+    raw = f.raw(info, start, stop)
+    rows = int(np.prod(info.shape[:-1])) if stop is None else stop - start
     if info.type in FLOAT_TYPES:
-        dtype = FLOAT_TYPES[info.type]
-        values = torch.from_numpy(raw).view(dtype).float().numpy()
+        values = torch.from_numpy(raw).view(FLOAT_TYPES[info.type]).float().numpy()
     else:
         try:
             values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.type))
         except (NotImplementedError, ValueError):
             if info.type not in DECODED_AS:
                 raise ValueError(f"{_where(f, info)}: neither ulbtorch nor gguf-py reads this type") from None
-            d = _decoded(f, info)
+            try:
+                d = decode(info.type, raw, rows, info.shape[-1])
+            except ValueError as e:
+                raise ValueError(f"{_where(f, info)}: {e}") from None
             values = ops.dequantize(d.codes, d.scales, d.format, d.group_size).numpy()
-    return values.reshape(info.shape)
+    return values.reshape(info.shape if stop is None else (rows, info.shape[-1]))
 
 
 def _decoded(f: GGUFFile, info: TensorInfo):
@@ -153,7 +158,31 @@ class _Loader:
             raise ValueError(f"{_where(self.f, info)}: gives {hf_name} the shape {list(shape)}, but the model "
                              f"built from the file's metadata has {list(self.shapes[hf_name])}")
 
+    def untouched(self, info: TensorInfo) -> bool:
+        """Whether transformers' processor leaves the tensor as it is (asked of
+        a tensor of zeros that takes no memory): then it can be converted a
+        few rows at a time, never whole in float32."""
+        if len(info.shape) > 2 or info.type == I2_S:  # MoE processors copy 3-D tensors whole; I2_S is one block
+            return False
+        probe = np.broadcast_to(np.float32(0), info.shape)
+        scratch = {"tensors": {}}
+        result = self.processor.process(weights=probe, name=info.name, tensor_key_mapping=self.key_map,
+                                        parsed_parameters=scratch)
+        return result.weights is probe and result.name == info.name and not scratch["tensors"]
+
     def load_float(self, info: TensorInfo) -> None:
+        if self.untouched(info):
+            hf_name = self.key_map.get(info.name)
+            if hf_name is None or hf_name in self.tied_out:
+                return  # as transformers: a tensor it does not map is not loaded
+            self.check_shape(info, hf_name, info.shape)
+            rows, K = int(np.prod(info.shape[:-1])), info.shape[-1]
+            out = torch.empty(rows, K, dtype=self.dtype)
+            step = max(1, CHUNK_BYTES // (4 * K))
+            for r in range(0, rows, step):
+                out[r:r + step] = torch.from_numpy(_float_values(self.f, info, r, min(rows, r + step)))
+            self.dense[hf_name] = out.reshape(info.shape)
+            return
         values = _float_values(self.f, info)
         result = self.processor.process(weights=values, name=info.name, tensor_key_mapping=self.key_map,
                                         parsed_parameters=self.scratch)
@@ -164,7 +193,7 @@ class _Loader:
             return
         hf_name = self.key_map.get(result.name)
         if hf_name is None or hf_name in self.tied_out:
-            return  # as transformers: a tensor it does not map is not loaded
+            return
         weights = np.ascontiguousarray(result.weights)
         self.check_shape(info, hf_name, weights.shape)
         self.dense[hf_name] = torch.from_numpy(weights).to(self.dtype)

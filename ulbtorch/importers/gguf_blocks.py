@@ -225,7 +225,7 @@ def decode(ttype: int, raw: np.ndarray, rows: int, K: int) -> Decoded:
             if low.any():
                 r, k = _first_bad(low, K)
                 raise ValueError(f"row {r}, column {k} holds -128, below int8's levels -127..127")
-            codes = (codes.to(torch.int16) + 127).to(torch.uint8)
+            codes = codes.view(torch.uint8) + 127  # x + 127 for x in -127..127, mod 256 in uint8
         if ttype == TQ2_0:
             three = codes == 3
             if three.any():

@@ -173,18 +173,28 @@ class GGUFFile:
         return name, shape, ttype, offset
 
     # ---- tensor data -----------------------------------------------------------------------------
-    def raw(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes, copied out of the map: [rows, bytes per row]
-        for blocked and float types, flat for I2_S (its scale follows the
-        codes of the whole tensor)."""
+    def raw(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start..stop of the tensor's bytes, [rows, bytes per row]
+        (flat, and the whole tensor, for I2_S, whose scale follows the codes
+        of the whole tensor). Read from the file into a new buffer rather
+        than through the map, so that the pages read are not counted in
+        this process's memory while the rest of the model loads."""
         if info.nbytes is None:
             raise ValueError(f"{self.path}: tensor {info.name!r} is stored as {info.type_name}, a type neither "
                              "ulbtorch nor gguf-py reads")
-        flat = np.array(self._data[info.offset:info.offset + info.nbytes])
-        if info.type == I2_S:
-            return flat
         rows = int(np.prod(info.shape[:-1]))
-        return flat.reshape(rows, -1)
+        if info.type == I2_S:
+            first, n = info.offset, info.nbytes
+        else:
+            stop = rows if stop is None else stop
+            row_bytes = info.nbytes // rows if rows else 0
+            first, n = info.offset + start * row_bytes, (stop - start) * row_bytes
+        buf = np.empty(n, np.uint8)
+        with open(self.path, "rb") as fh:
+            fh.seek(first)
+            if fh.readinto(memoryview(buf)) != n:
+                raise ValueError(f"{self.path}: tensor {info.name!r}: the file ended while it was read")
+        return buf if info.type == I2_S else buf.reshape(-1, row_bytes) if n else buf.reshape(0, 0)
 
     def metadata_copy(self, path: str) -> None:
         """Write a GGUF holding this file's metadata, byte for byte, and its
