@@ -11,6 +11,7 @@ inherits the other's memory.
 
   python benchmarks/load.py                          # falcon3-1b, TQ2_0, 2 threads
   python benchmarks/load.py --layers 4 --type Q4_0   # quicker; Q4_0 comes back from quantize_ exactly
+  python benchmarks/load.py --quick                  # smoke test: 1 layer, a small vocabulary
   python benchmarks/load.py --llama-cpp /path/to/llama-bench   # also save_gguf the loaded model and run it there
 
 transformers cannot read Q1_0 or I2_S: for those only load_gguf runs.
@@ -120,9 +121,13 @@ def write_gguf(path: str, cfg: dict, ttype: str, seed: int) -> None:
 
 def child(args) -> None:
     """One variant in this process; prints its numbers as one JSON line."""
-    import transformers  # noqa: F401  (imported before the baseline, as the load needs it)
+    # What either load imports, imported before the baseline: the numbers are the loads' own memory.
+    import gguf  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM
 
     import ulbtorch
+    import ulbtorch.importers  # noqa: F401
     from ulbtorch.nn import LowBitLinear
 
     torch.set_num_threads(args.threads)
@@ -133,8 +138,6 @@ def child(args) -> None:
         model = ulbtorch.load_gguf(args.file, dtype=torch.bfloat16)
         out["load_s"] = time.perf_counter() - t0
     else:
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.file), gguf_file=os.path.basename(args.file),
                                                      dtype=torch.bfloat16)
         out["load_s"] = time.perf_counter() - t0
@@ -174,6 +177,8 @@ def main(argv=None):
     common.add_shapes_arg(p)
     p.add_argument("--config", default="falcon3-1b")
     p.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the config's")
+    p.add_argument("--vocab-size", type=int, default=None, help="a smaller vocabulary than the config's")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 layer, a 1024-token vocabulary")
     p.add_argument("--type", default="TQ2_0", choices=sorted(TYPES))
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
@@ -189,8 +194,12 @@ def main(argv=None):
         return child(args)
     env = common.print_environment()
     cfg = dict(common.load_shapes(args.shapes)["configs"][args.config])
+    if args.quick:
+        args.layers, args.vocab_size = args.layers or 1, args.vocab_size or 1024
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
+    if args.vocab_size:
+        cfg["vocab_size"] = args.vocab_size
     title = (f"Load a {args.config} GGUF ({cfg['num_hidden_layers']} layers, {args.type} linears, F16 embeddings "
              f"and lm_head), {args.threads} threads")
     table = common.Table([("variant", "variant", None), ("total_s", "seconds", ".1f"),
