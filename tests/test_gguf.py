@@ -318,6 +318,12 @@ def test_not_a_gguf_file(tmp_path, good_file):
         ulbtorch.load_gguf(patched(tmp_path, good_file, lambda d: d.__setitem__(slice(0, 4), b"GGML")))
     with pytest.raises(ValueError, match="GGUF version 7"):
         ulbtorch.load_gguf(patched(tmp_path, good_file, lambda d: d.__setitem__(slice(4, 8), struct.pack("<I", 7))))
+    def rename_arch(data):
+        at = data.index(b"general.architecture") + len("general.architecture") + 4 + 8
+        data[at:at + 5] = b"xlama"
+    with pytest.raises(ValueError, match=r"bad\.gguf: transformers' GGUF loading does not map this file's architecture "
+                                         "'xlama' to a model"):
+        ulbtorch.load_gguf(patched(tmp_path, good_file, rename_arch))
     with pytest.raises(FileNotFoundError, match="no such GGUF file"):
         ulbtorch.load_gguf(tmp_path / "absent.gguf")
 
