@@ -8,6 +8,7 @@ Build with the torch already installed: pip install --no-build-isolation -e .
 import glob
 import os
 import platform
+import sys
 
 import torch
 from setuptools import setup
@@ -30,13 +31,18 @@ class BuildExtensionOptional(BuildExtension):
             print(f"WARNING: {ext.name} not built, the ops serve its calls instead: {e}")
 
 
-# The SIMD kernels of kernels/x86 only where the compiler targets x86-64;
-# elsewhere (aarch64, ...) the calls run the portable kernel of kernels/src
-# (ISA "portable"), which isa.c selects when no x86 ISA is compiled in.
-X86 = platform.machine().lower() in ("x86_64", "amd64")
+# The SIMD kernels of kernels/x86 only where the compiler targets x86-64, and
+# those of kernels/arm only on AArch64 Linux (isa.c reads the HWCAPs there:
+# ULB_ARM in kernels/src/internal.h); elsewhere the calls run the portable
+# kernel of kernels/src (ISA "portable"), which isa.c selects when no SIMD ISA
+# is compiled in.
+MACHINE = platform.machine().lower()
+X86 = MACHINE in ("x86_64", "amd64")
+ARM = MACHINE in ("aarch64", "arm64") and sys.platform.startswith("linux")
+SIMD_DIRS = ("kernels/x86",) if X86 else ("kernels/arm",) if ARM else ()
 KERNEL_SOURCES = sorted(
     os.path.relpath(p, ROOT)
-    for d in ("kernels/src", "kernels/ref") + (("kernels/x86",) if X86 else ())
+    for d in ("kernels/src", "kernels/ref") + SIMD_DIRS
     for p in glob.glob(os.path.join(ROOT, d, "*.c"))
 )
 # Identical rounding on every ISA path needs multiply and add kept separate.

@@ -6,6 +6,14 @@
 #include "ulb/ulb_testing.h"
 #include "layout.h"
 
+/* Whether the AArch64 kernels (kernels/arm) are part of this build: on Linux,
+ * where setup.py compiles them and the HWCAPs say what the CPU runs. */
+#if defined(__aarch64__) && defined(__linux__)
+#define ULB_ARM 1
+#else
+#define ULB_ARM 0
+#endif
+
 /* Microkernel helpers take compile-time tile and token counts; inlining
  * them is what turns those into unrolled, register-resident loops. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -14,6 +22,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define ulb_cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define ulb_cpu_relax() __asm__ __volatile__("yield")
 #else
 #define ulb_cpu_relax() ((void)0)
 #endif
@@ -155,6 +165,12 @@ typedef struct {
 #define ULB_AMX_MIN_TOKENS 16
 extern const ulb_gemm_kernel ulb_gemm_amx;
 
+/* i8mm's smmla/usmmla (arm/gemm_i8mm.c), up to 8 tokens a panel call, from 5
+ * tokens on: below that the panel kernels' blocks of 4 do as well. */
+#define ULB_I8MM_TOKENS 8
+#define ULB_I8MM_MIN_TOKENS 5
+extern const ulb_gemm_kernel ulb_gemm_i8mm;
+
 /* The GEMM kernel for a call of N tokens under `isa`, or NULL: the panel
  * kernels serve. */
 const ulb_gemm_kernel *ulb_gemm_for_isa(ulb_isa isa, int64_t N);
@@ -188,6 +204,12 @@ void ulb_panel_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_
                       int64_t n0, int nb, float *facc, int32_t *dots);
 void ulb_panel_pair_avx2(const ulb_weight *w, int64_t p, int64_t q, const ulb_acts *a, float *facc_p,
                          float *facc_q); /* 2-, 4- and 8-bit codes */
+void ulb_panel_neon(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                    float *facc, int32_t *dots);
+void ulb_panel_dotprod(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                       float *facc, int32_t *dots);
+void ulb_panel_i8mm(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                    float *facc, int32_t *dots);
 
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
@@ -221,6 +243,7 @@ typedef float (*ulb_quant_row_fn)(const void *x, ulb_dtype dt, int64_t K, int64_
 float ulb_quant_row_ref(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 float ulb_quant_row_avx2(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 float ulb_quant_row_avx512(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
+float ulb_quant_row_neon(const void *x, ulb_dtype dt, int64_t K, int64_t group, int8_t *q, int32_t *xsum);
 void ulb_quant_tail_ref(const void *x, ulb_dtype dt, int64_t k0, int64_t K, float inv, int8_t *q);
 void ulb_group_sums_ref(const int8_t *q, int64_t K, int64_t group, int32_t *xsum);
 ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa);
@@ -251,6 +274,14 @@ void ulb_lut1_lanes_group_avx2(const uint8_t *codes, int64_t ks0, int64_t ks1, i
 void ulb_lut1_lanes_pair_avx2(const uint8_t *codes_p, const uint8_t *codes_q, int64_t ks0, int64_t ks1,
                               const uint8_t *lut, int64_t prefetch_dist, const uint8_t *prefetch_end, int32_t *acc_p,
                               int32_t *acc_q);
+/* The ARM lookup kernel (arm/lut1_neon.c), over VNNI or LANES tiles, tables
+ * of ULB_LUT1_STEP_BYTES a k-step in their own layout: acc[16t + r] = row r
+ * of tile t's dot over the `steps` k-steps of one group whose codes start at
+ * `codes` (nt tiles a k-step) and whose tables start at `lut`; the first
+ * pf_steps k-steps prefetch dist bytes ahead. */
+void ulb_lut1_build_neon(const int8_t *xq, int64_t ksteps, uint8_t *lut);
+void ulb_lut1_group_neon(const uint8_t *codes, int64_t steps, int64_t pf_steps, int nt, int lanes,
+                         const uint8_t *lut, int64_t dist, int32_t *acc);
 /* The table builder for one token on w under `isa`, or NULL where no lookup
  * kernel serves (ulb_lut1_serves aside). */
 ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa);
@@ -268,6 +299,8 @@ void ulb_gemv_bf16_rows_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_
 void ulb_gemv_bf16_rows2_avx512(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                                 float *out);
 void ulb_gemv_bf16_rows_avx2(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
+                             float *out);
+void ulb_gemv_bf16_rows_neon(const uint16_t *w, int64_t ldw, int64_t K, int64_t rows, const uint16_t *x,
                              float *out);
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa);
 

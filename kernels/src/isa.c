@@ -1,4 +1,5 @@
-/* ISA selection: once, at load (CPUID, or env ULB_ISA=scalar|avx2|avx512|avxvnni|portable);
+/* ISA selection: once, at load (CPUID on x86-64, the kernel's HWCAPs on
+ * AArch64, or env ULB_ISA=scalar|avx2|avx512|avxvnni|portable|amx|neon|dotprod|i8mm);
  * tests switch explicitly with ulb_isa_set to cover every path. */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -9,10 +10,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h> /* ULB_ARM */
+#endif
 
 #include "internal.h"
 
-static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2", "avx512", "avxvnni", "portable", "amx"};
+static const char *const ISA_NAMES[ULB_ISA_COUNT] = {"scalar", "avx2",     "avx512",  "avxvnni", "portable",
+                                                     "amx",    "neon",     "dotprod", "i8mm"};
 
 #if defined(__x86_64__)
 /* AMX int8 tiles usable by this process: the CPU has them (CPUID.7.0:EDX
@@ -32,6 +37,27 @@ static void amx_probe(void) {
     const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     amx_usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
+#endif
+
+#if ULB_ARM
+/* NEON, FEAT_DotProd and FEAT_I8MM as Linux reports them: HWCAP_ASIMD,
+ * HWCAP_ASIMDDP, HWCAP2_I8MM (the values of <asm/hwcap.h>, which older C
+ * libraries lack). */
+#define ULB_HWCAP_ASIMD (1ul << 1)
+#define ULB_HWCAP_ASIMDDP (1ul << 20)
+#define ULB_HWCAP2_I8MM (1ul << 13)
+static int arm_supported(ulb_isa isa) {
+    const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+    const int neon = (hw & ULB_HWCAP_ASIMD) != 0, dot = neon && (hw & ULB_HWCAP_ASIMDDP);
+    switch (isa) {
+    case ULB_ISA_NEON: return neon;
+    case ULB_ISA_DOTPROD: return dot;
+    case ULB_ISA_I8MM: return dot && (hw2 & ULB_HWCAP2_I8MM);
+    default: return 0;
+    }
+}
+
+static int arm_isa(ulb_isa isa) { return isa == ULB_ISA_NEON || isa == ULB_ISA_DOTPROD || isa == ULB_ISA_I8MM; }
 #endif
 
 const char *ulb_isa_name(ulb_isa isa) {
@@ -62,8 +88,10 @@ int ulb_isa_supported(ulb_isa isa) {
 #else
         return 0;
 #endif
+    default: return 0;
     }
-    return 0;
+#elif ULB_ARM
+    return isa == ULB_ISA_SCALAR || isa == ULB_ISA_PORTABLE || arm_supported(isa);
 #else
     return isa == ULB_ISA_SCALAR || isa == ULB_ISA_PORTABLE;
 #endif
@@ -92,6 +120,9 @@ static void isa_init(void) {
     if (ulb_isa_supported(ULB_ISA_AVXVNNI)) cpu_best = ULB_ISA_AVXVNNI;
     if (ulb_isa_supported(ULB_ISA_AVX512)) cpu_best = ULB_ISA_AVX512;
     if (ulb_isa_supported(ULB_ISA_AMX)) cpu_best = ULB_ISA_AMX;
+    if (ulb_isa_supported(ULB_ISA_NEON)) cpu_best = ULB_ISA_NEON;
+    if (ulb_isa_supported(ULB_ISA_DOTPROD)) cpu_best = ULB_ISA_DOTPROD;
+    if (ulb_isa_supported(ULB_ISA_I8MM)) cpu_best = ULB_ISA_I8MM;
     ulb_isa best = cpu_best;
     const char *lut = getenv("ULB_LUT1");
     if (lut && !strcmp(lut, "0")) atomic_store(&lut1_mode, ULB_LUT1_OFF);
@@ -154,6 +185,8 @@ int ulb_lut1_available(ulb_isa isa) {
 #if defined(__x86_64__)
     return ulb_isa_supported(isa) &&
            (isa == ULB_ISA_AVX2 || isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_AVX512 || isa == ULB_ISA_AMX);
+#elif ULB_ARM
+    return arm_isa(isa) && ulb_isa_supported(isa);
 #else
     (void)isa;
     return 0;
@@ -163,6 +196,15 @@ int ulb_lut1_available(ulb_isa isa) {
 int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa) {
     const int mode = ulb_lut1_get();
     if (mode == ULB_LUT1_OFF || ntokens < 1) return 0;
+#if ULB_ARM
+    /* Either tile order, any thread count. Masking shared by several tokens
+     * takes fewer instructions per token with sdot or smmla than a lookup
+     * pass each, without them more (benchmarks/insn_per_weight.py). */
+    (void)nthreads;
+    if (tiles != ULB_TILES_VNNI && tiles != ULB_TILES_LANES) return 0;
+    return ulb_lut1_available(isa) &&
+           ntokens <= (mode == ULB_LUT1_ON || isa == ULB_ISA_NEON ? ULB_LUT1_MAX_TOKENS : 1);
+#endif
     if (tiles == ULB_TILES_LANES) return ntokens <= ULB_LUT1_MAX_TOKENS && ulb_lut1_available(isa);
 #if defined(__x86_64__)
     /* VNNI tiles: one token on one thread; with two the masking kernel
@@ -182,6 +224,8 @@ ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa) {
     if (w->tiles == ULB_TILES_LANES)
         return ulb_lut1_available(isa) ? ulb_lut1_lanes_build_avx2 : NULL;
     if (lut1_vnni_available(isa)) return ulb_lut1_build_avx512;
+#elif ULB_ARM
+    if (w->bits == 1 && ulb_lut1_available(isa)) return ulb_lut1_build_neon;
 #endif
     (void)w;
     (void)isa;
@@ -196,6 +240,11 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     case ULB_ISA_AVX2: return ulb_panel_avx2;
     case ULB_ISA_AVXVNNI: return ulb_panel_avxvnni;
 #endif
+#if ULB_ARM
+    case ULB_ISA_NEON: return ulb_panel_neon;
+    case ULB_ISA_DOTPROD: return ulb_panel_dotprod;
+    case ULB_ISA_I8MM: return ulb_panel_i8mm;
+#endif
     case ULB_ISA_PORTABLE: return ulb_panel_portable;
     default: return ulb_panel_ref;
     }
@@ -204,6 +253,8 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
 const ulb_gemm_kernel *ulb_gemm_for_isa(ulb_isa isa, int64_t N) {
 #if defined(__x86_64__)
     if (isa == ULB_ISA_AMX && N >= ULB_AMX_MIN_TOKENS) return &ulb_gemm_amx;
+#elif ULB_ARM
+    if (isa == ULB_ISA_I8MM && N >= ULB_I8MM_MIN_TOKENS) return &ulb_gemm_i8mm;
 #endif
     (void)isa;
     (void)N;
@@ -238,6 +289,11 @@ ulb_quant_row_fn ulb_quant_row_for_isa(ulb_isa isa) {
     case ULB_ISA_AVX2:
     case ULB_ISA_AVXVNNI: return ulb_quant_row_avx2;
 #endif
+#if ULB_ARM
+    case ULB_ISA_NEON:
+    case ULB_ISA_DOTPROD:
+    case ULB_ISA_I8MM: return ulb_quant_row_neon;
+#endif
     default: return ulb_quant_row_ref;
     }
 }
@@ -249,6 +305,11 @@ ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa) {
     case ULB_ISA_AMX: return ulb_cpu_intel() ? ulb_gemv_bf16_rows2_avx512 : ulb_gemv_bf16_rows_avx512;
     case ULB_ISA_AVX2:
     case ULB_ISA_AVXVNNI: return ulb_gemv_bf16_rows_avx2;
+#endif
+#if ULB_ARM
+    case ULB_ISA_NEON:
+    case ULB_ISA_DOTPROD:
+    case ULB_ISA_I8MM: return ulb_gemv_bf16_rows_neon;
 #endif
     default: return ulb_gemv_bf16_rows_ref;
     }

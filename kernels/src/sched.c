@@ -52,11 +52,13 @@ int ulb_sched_family(int bits, ulb_isa isa) {
     /* The AVX-VNNI kernels are the AVX2 ones with another multiply: one
      * table. The portable kernels share the scalar ones' (a CPU runs one of
      * the two, the other only in tests), and AMX (the AVX-512 kernels but for
-     * prefill) AVX-512's. */
-    const ulb_isa slot = isa == ULB_ISA_AVXVNNI  ? ULB_ISA_AVX2
-                         : isa == ULB_ISA_PORTABLE ? ULB_ISA_SCALAR
-                         : isa == ULB_ISA_AMX      ? ULB_ISA_AVX512
-                                                   : isa;
+     * prefill) AVX-512's. An ARM CPU runs none of the x86 kernels: NEON takes
+     * AVX2's slot, DOTPROD and I8MM (its kernels but for several tokens)
+     * AVX-512's. */
+    const ulb_isa slot = isa == ULB_ISA_AVXVNNI || isa == ULB_ISA_NEON  ? ULB_ISA_AVX2
+                         : isa == ULB_ISA_PORTABLE                      ? ULB_ISA_SCALAR
+                         : isa == ULB_ISA_AMX || isa == ULB_ISA_DOTPROD || isa == ULB_ISA_I8MM ? ULB_ISA_AVX512
+                                                                        : isa;
     return (base < 0 ? ULB_SCHED_BF16 : base) + (int)slot;
 }
 

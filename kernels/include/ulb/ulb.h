@@ -231,18 +231,26 @@ int ulb_gemv_bf16_native(int isa);
 /* AVXVNNI: the AVX2 kernels with AVX-VNNI's vpdpbusd (Intel client cores
  * without AVX-512); preferred to AVX2, AVX-512 to both. AMX: the AVX-512
  * kernels, and calls of 16 tokens or more (prefill) on AMX's int8 tiles
- * (Intel Xeon from Sapphire Rapids on), preferred to AVX-512. PORTABLE: plain C
- * that the compiler vectorises (src/panel_portable.c), on every CPU; the
- * default where none of the x86 kernels runs. SCALAR: the reference. */
+ * (Intel Xeon from Sapphire Rapids on), preferred to AVX-512. On AArch64
+ * (kernels/arm): NEON, the ARMv8.0 kernels every such CPU runs; DOTPROD, with
+ * FEAT_DotProd's sdot (Cortex-A76, Neoverse N1, Apple M1 on); I8MM, those and
+ * FEAT_I8MM's usdot and smmla/usmmla for several tokens (Neoverse V1/N2,
+ * Apple M2 on), each preferred to the one before, as the kernel's HWCAPs
+ * say. PORTABLE: plain C that the compiler vectorises (src/panel_portable.c),
+ * on every CPU; the default where none of the SIMD kernels runs. SCALAR: the
+ * reference. */
 typedef enum {
     ULB_ISA_SCALAR = 0,
     ULB_ISA_AVX2 = 1,
     ULB_ISA_AVX512 = 2,
     ULB_ISA_AVXVNNI = 3,
     ULB_ISA_PORTABLE = 4,
-    ULB_ISA_AMX = 5
+    ULB_ISA_AMX = 5,
+    ULB_ISA_NEON = 6,
+    ULB_ISA_DOTPROD = 7,
+    ULB_ISA_I8MM = 8
 } ulb_isa;
-#define ULB_ISA_COUNT 6
+#define ULB_ISA_COUNT 9
 
 /* Best ISA this CPU supports, or the one named by env ULB_ISA at load. */
 ulb_isa ulb_isa_active(void);
@@ -256,9 +264,14 @@ const char *ulb_isa_name(ulb_isa isa);
  * tiles, one token on one thread: faster in cache, but from DRAM only on
  * some CPUs (not Zen 5, whose full-width vpdpbusd runs the masking kernel
  * faster than one core streams, while tables past K = 2048 spill its L1).
+ * Under the ARM ISAs, with NEON's tbl (arm/lut1_neon.c), over either tile
+ * order, any thread count: one token under DOTPROD and I8MM, up to 4 under
+ * NEON, where that takes fewer instructions than masking
+ * (benchmarks/insn_per_weight.py).
  * ulb_lut1_set(mode): ULB_LUT1_AUTO, the default, takes the lookups where
- * they pay (LANES tiles; VNNI tiles on Intel and Zen 4); ULB_LUT1_ON wherever
- * one can run (tests); ULB_LUT1_OFF never, the masking kernels serve.
+ * they pay (LANES tiles; VNNI tiles on Intel and Zen 4; as above on ARM);
+ * ULB_LUT1_ON wherever one can run (tests; on ARM up to 4 tokens under every
+ * ISA); ULB_LUT1_OFF never, the masking kernels serve.
  * ULB_ERR_SHAPE for another mode. Env ULB_LUT1=0|1|auto at load.
  * ulb_lut1_available: whether either kernel runs under `isa` on this CPU;
  * ulb_lut1_serves: whether a 1-bit call of `ntokens` tokens on `nthreads`
