@@ -224,7 +224,8 @@ def test_module_without_a_vector_kernel_is_f_linear(gen):
     with runtime.use_isa("scalar"):
         assert not runtime.bf16_gemv_native
         assert torch.equal(layer(x1), lin(x1))
-    assert runtime.bf16_gemv_native == (runtime.get_isa() in ("avx2", "avx512", "avxvnni", "amx"))
+    native = ("avx2", "avx512", "avxvnni", "amx", "neon", "dotprod", "i8mm")
+    assert runtime.bf16_gemv_native == (runtime.get_isa() in native)
     with runtime.use_isa("portable"):  # its bf16 rows are the reference's: F.linear is faster
         assert not runtime.bf16_gemv_native and torch.equal(layer(x1), lin(x1))
 

@@ -15,9 +15,11 @@ def _cpu_has_avx2():
         return " avx2 " in f.read()
 
 
-def _kernel_sources(x86):
+def _kernel_sources(x86=False, arm=False):
+    """The kernel library's C files as setup.py compiles them for x86-64 (x86),
+    AArch64 Linux (arm) or another CPU (neither)."""
     sources = []
-    for d in ("kernels/src", "kernels/ref") + (("kernels/x86",) if x86 else ()):
+    for d in ("kernels/src", "kernels/ref") + (("kernels/x86",) if x86 else ()) + (("kernels/arm",) if arm else ()):
         found = sorted(glob.glob(os.path.join(ROOT, d, "*.c")))
         assert found, f"no C sources in {d}"
         sources += found
@@ -87,16 +89,55 @@ AARCH64_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aar
 NO_AARCH64 = "no aarch64 cross compiler and qemu-user (apt-get install gcc-aarch64-linux-gnu qemu-user)"
 
 
+ARM_ISAS = ["neon", "dotprod", "i8mm"]
+
+
+@pytest.fixture(scope="module")
+def aarch64_test_kernels(tmp_path_factory):
+    """tests/c/test_kernels.c with the kernels setup.py builds on AArch64
+    Linux (kernels/arm with the rest), cross-compiled once for the runs below."""
+    exe = str(tmp_path_factory.mktemp("aarch64") / "test_kernels")
+    sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c"), *_kernel_sources(arm=True)]
+    build = subprocess.run([AARCH64_CC, *CFLAGS, "-static", "-I" + os.path.join(ROOT, "kernels", "include"), *sources,
+                            "-o", exe, "-lm", "-lpthread"], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    return exe
+
+
+def _run_aarch64(exe, cpu, few_shapes):
+    env = {**os.environ, "QEMU_CPU": cpu}
+    env.pop("ULB_ISA", None)
+    if few_shapes:
+        env["ULB_TEST_FEW_SHAPES"] = "1"
+    run = subprocess.run([QEMU, exe], capture_output=True, text=True, timeout=900, cwd=os.path.dirname(exe), env=env)
+    assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-2000:])
+    assert " 0 failed" in run.stdout, run.stdout[-4000:]
+    isas = run.stdout.split("ISAs run:")[1].splitlines()[0].split()
+    return isas, run.stdout.split("best ISA:")[1].split()[0]
+
+
 @pytest.mark.skipif(AARCH64_CC is None or QEMU is None, reason=NO_AARCH64)
-def test_c_kernels_aarch64(tmp_path):
-    """Where setup.py builds for a CPU other than x86-64 it leaves out
-    kernels/x86: the kernels must then build and run, on the scalar
-    reference alone, with the same results. Cross-compiled and run under
-    qemu-user."""
-    sources = [os.path.join(ROOT, "tests", "c", "test_kernels.c"), *_kernel_sources(x86=False)]
-    isas = _build_and_run(AARCH64_CC, CFLAGS + ["-static"], sources, str(tmp_path / "test_kernels"), [QEMU],
-                          timeout=600)
-    assert isas == ["scalar", "portable"], isas
+def test_c_kernels_aarch64(aarch64_test_kernels):
+    """The AArch64 build (setup.py adds kernels/arm there and leaves out
+    kernels/x86): every ARM ISA, NEON, dotprod and i8mm, against the scalar
+    reference bit for bit, on every shape of the test, under qemu-user's
+    "max" CPU, which has FEAT_DotProd and FEAT_I8MM; the HWCAPs choose i8mm."""
+    isas, best = _run_aarch64(aarch64_test_kernels, "max", few_shapes=False)
+    assert isas == ["scalar", "portable"] + ARM_ISAS, isas
+    assert best == "i8mm"
+
+
+@pytest.mark.skipif(AARCH64_CC is None or QEMU is None, reason=NO_AARCH64)
+@pytest.mark.parametrize("cpu, isas", [("cortex-a76", ARM_ISAS[:2]), ("cortex-a53", ARM_ISAS[:1])])
+def test_c_kernels_aarch64_older_cores(aarch64_test_kernels, cpu, isas):
+    """CPUs without FEAT_I8MM (Cortex-A76) or without FEAT_DotProd too
+    (Cortex-A53): the HWCAPs offer only the kernels they run, the best of
+    them by default, and those run without an instruction the core lacks
+    (qemu would stop the test with SIGILL), on a sample of the shapes (the
+    "max" run above covers every kernel on all of them)."""
+    got, best = _run_aarch64(aarch64_test_kernels, cpu, few_shapes=True)
+    assert got == ["scalar", "portable"] + isas, got
+    assert best == isas[-1]
 
 
 @pytest.mark.skipif(AARCH64_CC is None or QEMU is None, reason=NO_AARCH64)
@@ -104,7 +145,7 @@ def test_c_pool_wakes_sleeping_workers_aarch64(tmp_path):
     """The pool's sleep and wake-up under a weaker memory model than
     x86-64's: qemu-user lets an aarch64 load pass an earlier store-release,
     and without fences a worker slept through its job."""
-    sources = [os.path.join(ROOT, "tests", "c", "test_pool_wake.c"), *_kernel_sources(x86=False)]
+    sources = [os.path.join(ROOT, "tests", "c", "test_pool_wake.c"), *_kernel_sources(arm=True)]
     _build_and_run(AARCH64_CC, CFLAGS + ["-static"], sources, str(tmp_path / "test_pool_wake"), [QEMU],
                    isas_line=False, env={"ULB_SPIN_US": "0"}, timeout=120)
 

@@ -18,8 +18,11 @@ def test_runtime_controls():
     with pytest.raises(ValueError, match="unknown ISA 'sse'"):
         runtime.set_isa("sse")
     with pytest.raises(ValueError, match="unknown ISA"):
-        with runtime.use_isa("neon"):
+        with runtime.use_isa("sve"):
             pass
+    if "neon" not in runtime.supported_isas():  # a known name this CPU does not run
+        with pytest.raises(RuntimeError, match="ISA 'neon' is not supported on this CPU"):
+            runtime.set_isa("neon")
     with pytest.raises(ValueError, match="invalid slowdown"):
         runtime.set_thread_slowdown(-1, 2.0)
     with pytest.raises(ValueError, match="invalid slowdown"):
@@ -58,7 +61,7 @@ def test_detected_isas_match_cpuinfo():
     avx2 = {"avx2", "fma"} <= f
     want = {"scalar": True, "avx2": avx2,
             "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f,
-            "avxvnni": avx2 and "avx_vnni" in f, "portable": True}
+            "avxvnni": avx2 and "avx_vnni" in f, "portable": True, "neon": False, "dotprod": False, "i8mm": False}
     # Linux lists amx_tile only where it saves the tiles' state.
     want["amx"] = want["avx512"] and {"amx_tile", "amx_int8", "avx512vbmi"} <= f
     assert runtime.supported_isas() == [isa for isa in runtime.ISAS if want[isa]]
