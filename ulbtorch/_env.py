@@ -39,7 +39,8 @@ def lut1_on_without_kernel(lut1_available: bool) -> bool:
     if value is not None and value not in ("0", "1", "auto"):
         _warn(f"ULB_LUT1={value!r} is not '0', '1' or 'auto'; taken as 'auto'")
     if value == "1" and not lut1_available:
-        _warn("ULB_LUT1=1, but no 1-bit lookup-table kernel runs on this CPU (they need AVX2); taken as 'auto'")
+        _warn("ULB_LUT1=1, but no 1-bit lookup-table kernel runs on this CPU (they need AVX2, or NEON on AArch64 "
+              "Linux); taken as 'auto'")
         return True
     return False
 

@@ -171,7 +171,7 @@ def set_lut1(on: bool | str) -> None:
     if not (isinstance(on, bool) or on == "auto"):
         raise TypeError(f"set_lut1 takes True, False or 'auto', got {on!r}")
     if on is True and not lut1_available():
-        raise RuntimeError("no 1-bit lookup-table kernel runs on this CPU (they need AVX2)")
+        raise RuntimeError("no 1-bit lookup-table kernel runs on this CPU (they need AVX2, or NEON on AArch64 Linux)")
     _lib.ulb_lut1_set(_LUT1_MODES[on])
 
 
