@@ -222,8 +222,7 @@ def _backends(model):
 def test_checkpoints_load_onto_the_accelerator_path(tmp_path):
     """load_quantized, transformers' from_pretrained of a packed checkpoint
     and from_pretrained quantizing on load (UlbConfig) give layers on the
-    accelerator path, whose logits and greedy tokens are the CPU
-    kernels' exactly; and a model saved from there loads back on the CPU."""
+    accelerator path, whose logits are the CPU kernels' exactly; and a model saved from there loads back on the CPU."""
     transformers = pytest.importorskip("transformers")
     from _tiny_llama import prompt, tiny_llama
 
@@ -231,7 +230,6 @@ def test_checkpoints_load_onto_the_accelerator_path(tmp_path):
     ids = prompt()
     with torch.no_grad():
         want = model(ids).logits
-        tokens = model.generate(ids, max_new_tokens=2, do_sample=False)
     ulbtorch.save_quantized(model, tmp_path / "q")
     model.save_pretrained(tmp_path / "hf")
     tiny_llama().save_pretrained(tmp_path / "float")
@@ -244,8 +242,6 @@ def test_checkpoints_load_onto_the_accelerator_path(tmp_path):
             assert _backends(m) == {"triton"}
             with torch.no_grad():
                 assert torch.equal(m(ids).logits, want)
-        with torch.no_grad():
-            assert torch.equal(hf.generate(ids, max_new_tokens=2, do_sample=False), tokens)
         ulbtorch.save_quantized(loaded, tmp_path / "from_accel")
     back = ulbtorch.load_quantized(tiny_llama(), tmp_path / "from_accel")
     assert _backends(back) == {"cpu"}
