@@ -176,7 +176,9 @@ static void i8mm_panel(const ulb_weight *w, int64_t p, const ulb_acts *a, int64_
     for (int j = 0; j < nb; j++)
         memset(facc + j * ULB_PANEL_ROWS, 0, (size_t)ulb_panel_ntiles(w->M_pad, p) * ULB_TILE * sizeof(float));
     switch (w->bits) {
-    case 1: (w->tiles == ULB_TILES_LANES ? panel_1bit_lanes : panel_1bit_vnni)(w, p, a, n0, nb, ops, facc, dots); return;
+    case 1:
+        (w->tiles == ULB_TILES_LANES ? panel_1bit_lanes : panel_1bit_vnni)(w, p, a, n0, nb, ops, facc, dots);
+        return;
     case 2: panel_2bit(w, p, a, n0, nb, ops, facc, dots); return;
     case 4: panel_4bit(w, p, a, n0, nb, ops, facc, dots); return;
     default: panel_8bit(w, p, a, n0, nb, ops, facc, dots); return;

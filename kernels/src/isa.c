@@ -198,12 +198,14 @@ int ulb_lut1_serves(int tiles, int64_t ntokens, int nthreads, ulb_isa isa) {
     if (mode == ULB_LUT1_OFF || ntokens < 1) return 0;
 #if ULB_ARM
     /* Either tile order, any thread count. Masking shared by several tokens
-     * takes fewer instructions per token with sdot or smmla than a lookup
-     * pass each, without them more (benchmarks/insn_per_weight.py). */
+     * takes fewer instructions per token than a lookup pass each with smmla,
+     * and with sdot over VNNI tiles; more without them, or over LANES tiles,
+     * which masking reorders first (benchmarks/insn_per_weight.py). */
     (void)nthreads;
     if (tiles != ULB_TILES_VNNI && tiles != ULB_TILES_LANES) return 0;
-    return ulb_lut1_available(isa) &&
-           ntokens <= (mode == ULB_LUT1_ON || isa == ULB_ISA_NEON ? ULB_LUT1_MAX_TOKENS : 1);
+    const int several =
+        mode == ULB_LUT1_ON || isa == ULB_ISA_NEON || (isa == ULB_ISA_DOTPROD && tiles == ULB_TILES_LANES);
+    return ulb_lut1_available(isa) && ntokens <= (several ? ULB_LUT1_MAX_TOKENS : 1);
 #endif
     if (tiles == ULB_TILES_LANES) return ntokens <= ULB_LUT1_MAX_TOKENS && ulb_lut1_available(isa);
 #if defined(__x86_64__)

@@ -265,9 +265,9 @@ const char *ulb_isa_name(ulb_isa isa);
  * some CPUs (not Zen 5, whose full-width vpdpbusd runs the masking kernel
  * faster than one core streams, while tables past K = 2048 spill its L1).
  * Under the ARM ISAs, with NEON's tbl (arm/lut1_neon.c), over either tile
- * order, any thread count: one token under DOTPROD and I8MM, up to 4 under
- * NEON, where that takes fewer instructions than masking
- * (benchmarks/insn_per_weight.py).
+ * order, any thread count: one token under I8MM and over VNNI tiles under
+ * DOTPROD, up to 4 under NEON and over LANES tiles under DOTPROD, where that
+ * takes fewer instructions than masking (benchmarks/insn_per_weight.py).
  * ulb_lut1_set(mode): ULB_LUT1_AUTO, the default, takes the lookups where
  * they pay (LANES tiles; VNNI tiles on Intel and Zen 4; as above on ARM);
  * ULB_LUT1_ON wherever one can run (tests; on ARM up to 4 tokens under every
