@@ -16,15 +16,8 @@ import socket
 PREFIX = ".ulbtorch-save-"
 
 
-def _sync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sync_file(path: str) -> None:
+def _fsync(path: str) -> None:
+    """fsync a file or a directory (its entries) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,9 +72,9 @@ class Staging:
     def publish(self, name: str) -> None:
         staged = self.path(name)
         os.chmod(staged, self.mode)
-        _sync_file(staged)
+        _fsync(staged)
         os.replace(staged, os.path.join(self.directory, name))
-        _sync_directory(self.directory)
+        _fsync(self.directory)
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -93,7 +86,7 @@ def staging(directory: str):
     whether the block published everything or raised."""
     if not os.path.isdir(directory):
         os.makedirs(directory)
-        _sync_directory(os.path.dirname(os.path.abspath(directory)))  # the new directory's own entry
+        _fsync(os.path.dirname(os.path.abspath(directory)))  # the new directory's own entry
     remove_stale(directory)
     stage = Staging(directory)
     try:
