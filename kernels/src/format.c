@@ -330,13 +330,19 @@ ulb_status ulb_retile(const uint8_t *blob, int64_t nbytes, int tiles, uint8_t *o
     return ULB_OK;
 }
 
+/* The view and header of a blob of any layout whose bytes match its checksum. */
+static ulb_status checked_view(const uint8_t *blob, int64_t nbytes, ulb_weight *w, ulb_header *h) {
+    const ulb_status st = any_weight_view(blob, nbytes, w);
+    if (st != ULB_OK) return st;
+    ulb_blob_header(blob, nbytes, h);
+    return checksum_ok(blob, nbytes, h) ? ULB_OK : ULB_ERR_CHECKSUM;
+}
+
 ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float *scales) {
     ulb_weight w;
-    ulb_status st = any_weight_view(blob, nbytes, &w);
-    if (st != ULB_OK) return st;
     ulb_header h;
-    ulb_blob_header(blob, nbytes, &h);
-    if (!checksum_ok(blob, nbytes, &h)) return ULB_ERR_CHECKSUM;
+    ulb_status st = checked_view(blob, nbytes, &w, &h);
+    if (st != ULB_OK) return st;
     const unsigned max_code = (unsigned)ulb_format_get(h.format)->max_code;
     const ulb_layout L = ulb_weight_layout(&w);
     for (int64_t m = 0; m < w.M; m++) {
@@ -435,11 +441,9 @@ static ulb_status body_values_ok(const ulb_weight *w, unsigned max_code) {
 
 ulb_status ulb_blob_verify(const uint8_t *blob, int64_t nbytes, int *checked) {
     ulb_weight w;
-    ulb_status st = any_weight_view(blob, nbytes, &w);
-    if (st != ULB_OK) return st;
     ulb_header h;
-    ulb_blob_header(blob, nbytes, &h);
-    if (!checksum_ok(blob, nbytes, &h)) return ULB_ERR_CHECKSUM;
+    ulb_status st = checked_view(blob, nbytes, &w, &h);
+    if (st != ULB_OK) return st;
     st = body_values_ok(&w, (unsigned)ulb_format_get(h.format)->max_code);
     if (st == ULB_OK && checked) *checked = h.version >= 3;
     return st;
