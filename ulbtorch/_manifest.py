@@ -26,6 +26,10 @@ READABLE = (1, 2)
 # Each layer's fields and their types; tiles from version 2 on.
 LAYER_FIELDS = dict(format=str, in_features=int, out_features=int, bias=bool, group_size=int, granularity=str)
 V2_LAYER_FIELDS = dict(LAYER_FIELDS, tiles=str)
+# Optional: a layer whose input goes through its own RMSNorm first (BitNet's
+# use_rms_norm, importers.NormedLinearTernary) has its eps here and the norm's
+# weight beside its packed blob; an older ulbtorch refuses that tensor.
+NORM_FIELD = "input_norm_eps"
 
 
 @dataclass
@@ -129,3 +133,7 @@ def check_layer(source: str, version: int, name: str, spec) -> None:
         v = spec.get(key)
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             raise ValueError(f"{source}: layer {name!r}: key {key!r}: expected {_type_name(typ())}, got {v!r}")
+    eps = spec.get(NORM_FIELD)
+    if NORM_FIELD in spec and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
+        raise ValueError(f"{source}: layer {name!r}: key {NORM_FIELD!r}: expected a number >= 0 (the eps of the "
+                         f"layer's input RMSNorm), got {eps!r}")

@@ -18,7 +18,8 @@ from torch import nn
 
 from . import ops
 from ._atomic import staging
-from ._manifest import MANIFEST, METADATA_KEY, VERSION, WEIGHTS, Manifest, manifest_text, read_manifest
+from ._manifest import (MANIFEST, METADATA_KEY, NORM_FIELD, VERSION, WEIGHTS, Manifest, manifest_text,
+                        read_manifest)
 from ._stored import check_every_tensor, state_after
 from .finish import finish_conversion
 from .integrations.hf_experts import (PACKED, expert_shape, fused_weight_names, is_fused_experts, pack_experts,
@@ -38,6 +39,9 @@ def quantized_layers(model: nn.Module) -> dict[str, dict]:
                                  "from_linear/from_codes or load its weights first") from None
             out[name] = dict(format=m.format, in_features=m.in_features, out_features=m.out_features,
                              bias=m.bias is not None, group_size=m.group_size, granularity=m.granularity, tiles=tiles)
+            eps = getattr(m, NORM_FIELD, None)  # importers.NormedLinearTernary's
+            if eps is not None:
+                out[name][NORM_FIELD] = eps
     return out
 
 
@@ -71,10 +75,17 @@ def _layer_for(m: Manifest, name: str) -> LowBitLinear:
     if spec["format"] not in MODULE_FOR_FORMAT:
         raise ValueError(f"{m.source}: layer {name!r}: key 'format': expected one of {sorted(MODULE_FOR_FORMAT)}, "
                          f"got {spec['format']!r}")
+    cls, extra = MODULE_FOR_FORMAT[spec["format"]], {}
+    if NORM_FIELD in spec:
+        from .importers.bitnet_norm import NormedLinearTernary
+
+        if not issubclass(NormedLinearTernary, cls):
+            raise ValueError(f"{m.source}: layer {name!r}: key {NORM_FIELD!r} is for ternary layers, but its format "
+                             f"is {spec['format']!r}")
+        cls, extra = NormedLinearTernary, dict(eps=spec[NORM_FIELD])
     try:
-        return MODULE_FOR_FORMAT[spec["format"]](spec["in_features"], spec["out_features"], spec["bias"],
-                                                 format=spec["format"], group_size=spec["group_size"],
-                                                 granularity=spec["granularity"])
+        return cls(spec["in_features"], spec["out_features"], spec["bias"], format=spec["format"],
+                   group_size=spec["group_size"], granularity=spec["granularity"], **extra)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{m.source}: layer {name!r}: {e}") from None
 

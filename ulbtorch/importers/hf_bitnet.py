@@ -8,7 +8,8 @@ microsoft/bitnet-b1.58-2B-4T and tiiuae/Falcon3-*-1.58bit publish it:
 * `<layer>.weight_scale`: shape (1,). linear_class "bitlinear": W = T / scale;
   "autobitlinear": W = T * scale, and its bias is scaled with the product.
 * use_rms_norm (Falcon-E): `<layer>.rms_norm.weight`, an RMSNorm of the
-  layer's input before its activations are quantised (NormedLinearTernary).
+  layer's input before its activations are quantised (NormedLinearTernary,
+  which ulbtorch's save paths store with the norm: see bitnet_norm).
 * activations: per-token absmax int8, which is exactly what our kernels do, so
   LinearTernary with one per-tensor scale runs these layers losslessly.
 """
@@ -18,7 +19,6 @@ import contextlib
 import json
 import os
 import threading
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 from ..finish import finish_conversion
 from ..nn import LinearTernary, replace_module
 from ..quantize import QuantConfig, linear_layers, run_conversion_hooks
-from .bitnet_norm import NormedLinearTernary
+from .bitnet_norm import NormedLinearTernary, check_eps, input_norm_eps
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")
@@ -245,20 +245,13 @@ def _norm_eps(qc: dict, where: str) -> float | None:
         return None
     eps = qc.get("rms_norm_eps")
     eps = 1e-6 if eps is None else eps  # transformers' BitNetQuantConfig default
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{where}: key 'quantization_config.rms_norm_eps': expected a number >= 0, got {eps!r}")
-    return float(eps)
+    return check_eps(eps, f"{where}: key 'quantization_config.rms_norm_eps'")
 
 
 def _record_config(model: nn.Module, bf16_gemv: bool) -> None:
     """ulbtorch's own config, so that save_pretrained writes a checkpoint
-    from_pretrained loads packed; none for layers with a norm, which no
-    UlbConfig describes (from_pretrained would build them without it)."""
-    if any(isinstance(m, NormedLinearTernary) for m in model.modules()):
-        warnings.warn("the BitNet layers hold an RMSNorm each (use_rms_norm): ulbtorch's save_pretrained / "
-                      "from_pretrained and save_quantized / load_quantized do not carry those norms, so keep the "
-                      "checkpoint and load it again with load_bitnet_checkpoint", stacklevel=3)
-        return
+    from_pretrained loads packed (with the layers' input norms, as
+    UlbConfig's input_norm_eps, where they have them)."""
     run_conversion_hooks(model, QuantConfig(format="ternary", granularity="tensor",
                                             exclude=[n for n, _ in linear_layers(model, lambda n: True)],
                                             bf16_gemv=bf16_gemv))
@@ -268,10 +261,10 @@ def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Modu
     """After transformers' own `from_pretrained` of a BitNet checkpoint: swap
     its BitLinear / AutoBitLinear layers for LinearTernary (NormedLinearTernary
     where they hold an RMSNorm, use_rms_norm), in place. The model's
-    quantization config becomes ulbtorch's, so save_pretrained and
-    from_pretrained keep working (not for layers with a norm: see
-    _record_config). bf16_gemv as in quantize_ (and recorded in that config,
-    so a reload gets the same layers)."""
+    quantization config becomes ulbtorch's (with input_norm_eps where the
+    layers hold norms), so save_pretrained and from_pretrained keep working.
+    bf16_gemv as in quantize_ (and recorded in that config, so a reload gets
+    the same layers)."""
     from transformers.integrations.bitnet import AutoBitLinear, BitLinear
 
     built = []
@@ -298,29 +291,25 @@ def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Modu
         built.append((name, layer))
     if not built:
         raise ValueError("model has no BitLinear/AutoBitLinear layers to convert")
+    eps = sorted({e for _, layer in built if (e := input_norm_eps(layer)) is not None})
+    if len(eps) > 1 or (eps and any(input_norm_eps(layer) is None for _, layer in built)):
+        # (transformers' BitNet layers all take the config's one rms_norm_eps)
+        raise ValueError(f"the BitNet layers' input norms disagree (eps {eps}, some layers without): no one "
+                         "config describes them")
     for name, layer in built:  # every layer built first: a failure leaves the model as it was
         replace_module(model, name, layer)
-    normed = any(isinstance(layer, NormedLinearTernary) for _, layer in built)
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "quantization_config", None) is not None:
-        qc = config.quantization_config
-        if normed:
-            # BitNet's config would make from_pretrained build its own layers around our buffers
-            del config.quantization_config
-            model.hf_quantizer = None
-        else:
-            from ..integrations.transformers import UlbConfig, UlbHfQuantizer
+        from ..integrations.transformers import UlbConfig, UlbHfQuantizer
 
-            skip = getattr(qc, "modules_to_not_convert", None) or ["lm_head"]
-            ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip),
-                            bf16_gemv=bf16_gemv)
-            config.quantization_config = ulb
-            model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
+        skip = getattr(config.quantization_config, "modules_to_not_convert", None) or ["lm_head"]
+        ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip),
+                        bf16_gemv=bf16_gemv, input_norm_eps=eps[0] if eps else None)
+        config.quantization_config = ulb
+        model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
         if hasattr(model, "_weight_conversions"):
             # transformers would replay BitNet's load-time conversion backwards
             # on save; our layers are saved as they are.
             model._weight_conversions = []
-    if normed:
-        _record_config(model, bf16_gemv)  # the warning
     finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
     return model

@@ -15,7 +15,8 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..finish import finish_conversion
-from ..nn import MODULE_FOR_FORMAT, LinearBF16, LowBitLinear, replace_module
+from ..importers.bitnet_norm import NormedLinearTernary, check_eps, input_norm_eps
+from ..nn import MODULE_FOR_FORMAT, LinearBF16, LinearTernary, LowBitLinear, replace_module
 from ..nn.replace import is_plain_linear, name_selected, patterns
 from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig, linear_layers, quantize_
 from ..runtime import _check_bool
@@ -33,9 +34,14 @@ class UlbConfig(QuantizationConfigMixin):
     (default None): quantize lm_head too, e.g. 8 for int8, with
     lm_head_group_size (see QuantConfig). Its attributes, and so the saved
     config, are QuantConfig's SAVED_OPTIONS as QuantConfig fills them in, after
-    quant_method and modules_to_not_convert (QuantConfig's exclude)."""
+    quant_method and modules_to_not_convert (QuantConfig's exclude).
+    input_norm_eps (default None, then absent from the saved config): the
+    converted layers each hold an RMSNorm of their input with this eps,
+    `<layer>.rms_norm.weight` in the checkpoint (BitNet's use_rms_norm, as
+    Falcon-E has it: importers.NormedLinearTernary, ternary only). It
+    describes a packed checkpoint; a float one has no such norms to load."""
 
-    def __init__(self, modules_to_not_convert=None, **options):
+    def __init__(self, modules_to_not_convert=None, input_norm_eps=None, **options):
         quant_method = options.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
             raise ValueError(f"UlbConfig reads quant_method {QUANT_METHOD!r}, got {quant_method!r}")
@@ -52,6 +58,12 @@ class UlbConfig(QuantizationConfigMixin):
         q = QuantConfig(**options, exclude=self.modules_to_not_convert)
         for name in SAVED_OPTIONS:
             setattr(self, name, getattr(q, name))
+        if input_norm_eps is not None:
+            input_norm_eps = check_eps(input_norm_eps, "UlbConfig's input_norm_eps")
+            if MODULE_FOR_FORMAT[q.format] is not LinearTernary:
+                raise ValueError(f"UlbConfig: input_norm_eps is for ternary layers (BitNet's use_rms_norm), but "
+                                 f"the format is {q.format!r}")
+        self.input_norm_eps = input_norm_eps
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
@@ -75,6 +87,9 @@ class UlbConfig(QuantizationConfigMixin):
         if not d.get("lm_head_group_size"):
             # Absent means 0, and an older ulbtorch reads such a config.
             d.pop("lm_head_group_size", None)
+        if d.get("input_norm_eps") is None:
+            # Absent means no norms; an older ulbtorch refuses the option rather than drop the norms.
+            d.pop("input_norm_eps", None)
         return d
 
     def to_quant_config(self) -> QuantConfig:
@@ -101,16 +116,16 @@ def record_quant_config(model, config: QuantConfig) -> None:
     if not any(isinstance(m, LowBitLinear) for m in model.modules()):
         return  # nothing quantized (include patterns that selected nothing): nothing to say
     candidate = _config_for(model, config)
-    if candidate is not None and _describes(model, candidate.to_quant_config()):
+    if candidate is not None and _describes(model, candidate):
         model.config.quantization_config = candidate
         return
-    if previous is not None and _describes(model, previous.to_quant_config()):
+    if previous is not None and _describes(model, previous):
         return
     if previous is not None:
         del model.config.quantization_config
     warnings.warn("quantize_: no UlbConfig describes this model's layers (" +
                   ("a quantized lm_head tied to the input embedding" if candidate is None else
-                   "layers of more than one format or group size") +
+                   "layers of more than one format or group size, or with and without input norms") +
                   "), so model.config records none and transformers' save_pretrained would write a checkpoint "
                   "that loads unquantized; save it with ulbtorch.save_quantized",
                   stacklevel=5)  # the call of quantize_ or the importer, through run_conversion_hooks
@@ -142,20 +157,24 @@ def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
                  if not config.selects(w) and not name_selected(w, config.exclude, [])]
         for n in sorted(left):
             exclude += [n, f"*.{n}"] if inner else [n]
-    return UlbConfig(modules_to_not_convert=exclude, **{name: getattr(config, name) for name in SAVED_OPTIONS})
+    # the eps of the layers' input norms (NormedLinearTernary), if any: _describes checks they all agree
+    eps = next((e for e in map(input_norm_eps, model.modules()) if e is not None), None)
+    return UlbConfig(modules_to_not_convert=exclude, input_norm_eps=eps,
+                     **{name: getattr(config, name) for name in SAVED_OPTIONS})
 
 
-def _describes(model, config: QuantConfig) -> bool:
-    """Whether loading a float model of this architecture under `config`
-    gives every linear layer the format and group size it has now (plain
-    nn.Linear and LinearBF16 alike are float)."""
+def _describes(model, ulb: UlbConfig) -> bool:
+    """Whether loading a float model of this architecture under `ulb`
+    gives every linear layer the format, group size and input norm it has
+    now (plain nn.Linear and LinearBF16 alike are float)."""
+    config = ulb.to_quant_config()
     head_cfg = config.head_config()
     out = getattr(model, "get_output_embeddings", lambda: None)()
     for name, m in model.named_modules():
         if is_plain_linear(m) or type(m) is LinearBF16:
             have = None
         elif isinstance(m, LowBitLinear):
-            have = (m.format, m.group_size)
+            have = (m.format, m.group_size, input_norm_eps(m))
         elif is_fused_experts(m):  # float experts: a config that packs them does not describe them
             if any(config.selects(f"{name}.{p}") for p in fused_weight_names(m)):
                 return False
@@ -166,12 +185,12 @@ def _describes(model, config: QuantConfig) -> bool:
         if expert is not None:  # selected by its weight's name, as quantize_ selects it
             name = f"{expert[0]}.{expert[1]}"
         if config.selects(name):
-            want = config
+            want, eps = config, ulb.input_norm_eps
         elif head_cfg is not None and (m is out or head_cfg.selects(name)):
-            want = head_cfg
+            want, eps = head_cfg, None
         else:
             want = None
-        if (None if want is None else (want.format, want.layer_args(m.in_features)["group_size"])) != have:
+        if (None if want is None else (want.format, want.layer_args(m.in_features)["group_size"], eps)) != have:
             return False
     return True
 
@@ -189,10 +208,14 @@ def _check_untied_output(model, targets) -> None:
                              "quantize it with ulbtorch.quantize_(..., lm_head_bits=8 or 4) and ulbtorch.save_quantized")
 
 
-def _empty_layer(config: QuantConfig, in_features: int, out_features: int, bias: bool, like) -> LowBitLinear:
-    """The low-bit layer config makes of a float weight like `like`, unpacked."""
-    return MODULE_FOR_FORMAT[config.format](in_features, out_features, bias, format=config.format,
-                                            device=like.device, dtype=like.dtype, **config.layer_args(in_features))
+def _empty_layer(config: QuantConfig, in_features: int, out_features: int, bias: bool, like,
+                 norm_eps: float | None = None) -> LowBitLinear:
+    """The low-bit layer config makes of a float weight like `like`, unpacked;
+    with norm_eps, behind an input RMSNorm (NormedLinearTernary)."""
+    cls, extra = (MODULE_FOR_FORMAT[config.format], {}) if norm_eps is None else (NormedLinearTernary,
+                                                                                   dict(eps=norm_eps))
+    return cls(in_features, out_features, bias, format=config.format, device=like.device, dtype=like.dtype,
+               **config.layer_args(in_features), **extra)
 
 
 @register_quantizer(QUANT_METHOD)
@@ -201,14 +224,22 @@ class UlbHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         config = self.quantization_config.to_quant_config()
+        norm_eps = self.quantization_config.input_norm_eps
         targets = config.targets(model)
         _check_untied_output(model, targets)
         if not self.pre_quantized:
+            if norm_eps is not None:
+                raise ValueError(f"ulb: input_norm_eps={norm_eps} describes a packed checkpoint whose layers hold "
+                                 "their input RMSNorms (BitNet's use_rms_norm); a float checkpoint has none to load")
             return model
+        expert_targets = config.expert_targets(model)
+        if norm_eps is not None and expert_targets:
+            raise ValueError(f"ulb: input_norm_eps is for dense layers; {expert_targets[0][0]} is a "
+                             "mixture-of-experts module")
         for name, lin, c in targets:
             replace_module(model, name, _empty_layer(c, lin.in_features, lin.out_features, lin.bias is not None,
-                                                     lin.weight))
-        for _, m, p in config.expert_targets(model):
+                                                     lin.weight, norm_eps if c is config else None))
+        for _, m, p in expert_targets:
             n_experts, in_f, out_f, bias = expert_shape(m, p)
             like = m._parameters[p]
             pack_experts(m, {p: [_empty_layer(config, in_f, out_f, bias, like) for _ in range(n_experts)]})
