@@ -42,9 +42,10 @@ _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
 
 @register_quantization_config(QUANT_METHOD)
 class UlbVllmConfig(QuantizationConfig):
-    def __init__(self, quant: QuantConfig, modules_to_not_convert: list[str]):
+    def __init__(self, quant: QuantConfig, modules_to_not_convert: list[str], input_norm_eps: float | None = None):
         super().__init__()
         self.quant = quant
+        self.input_norm_eps = input_norm_eps  # the layers' own input RMSNorms (Falcon-E): vllm_norm
         self.head = quant.head_config()  # the lm_head's QuantConfig (lm_head_bits), or None
         self.modules_to_not_convert = modules_to_not_convert
 
@@ -68,7 +69,7 @@ class UlbVllmConfig(QuantizationConfig):
         skip = list(LM_HEAD) if skip is None else list(skip)
         quant = QuantConfig(**{name: config.get(name, default) for name, default in SAVED_OPTIONS.items()},
                             exclude=skip)
-        return cls(quant, skip)
+        return cls(quant, skip, config.get("input_norm_eps"))
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
@@ -85,6 +86,9 @@ class UlbVllmConfig(QuantizationConfig):
             return None
         if self._skipped(prefix):
             return UnquantizedLinearMethod()
+        if self.input_norm_eps is not None:
+            from .vllm_norm import UlbNormedLinearMethod
+            return UlbNormedLinearMethod(self.quant, self.input_norm_eps)
         return UlbLinearMethod(self.quant)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
