@@ -159,9 +159,28 @@ def summarise_load(title: str, rows: list[dict]) -> list[dict]:
                  vs_peer="; ".join(f"{r['variant']}: {line(r)}" for r in peers) or "-")]
 
 
+def summarise_vs_llamacpp(title: str, rows: list[dict]) -> list[dict]:
+    """A row per thread count, body format and head: our decode against each peer's of the same pair."""
+    out = []
+    for (thr, body, head), rs in grouped(rows, "threads", "body", "head"):
+        ours = next((r for r in rs if r["engine"] == "ulbtorch HF eager"), None)
+        if ours is None or not ours.get("tg_tok_s"):
+            continue
+        prefill = f", prefill {ours['pp_tok_s']:.0f} tok/s" if ours.get("pp_tok_s") else ""
+        peers = [f"{r['engine']} ({r['source']}): {r['tg_tok_s']:.2f} tok/s, ours {fmt_x(r.get('x_decode'))}"
+                 + (f" (prefill {fmt_x(r['x_prefill'])})" if r.get("x_prefill") else "")
+                 + f", {fmt_pct(r.get('pct_bound'))} of β" for r in rs if r is not ours and r.get("tg_tok_s")]
+        out.append(dict(what=f"{title}: greedy decode, {body} body + {head} head, {thr} thr",
+                        ours=f"{ours['tg_tok_s']:.2f} tok/s{prefill}",
+                        pct_beta=fmt_pct(ours.get("pct_bound")) + " (tok/s x bytes per token)",
+                        vs_peer="; ".join(peers) or "-"))
+    return out
+
+
 SUMMARIES = {"gemv.py": summarise_gemv, "triton_sass.py": summarise_triton_sass, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
-             "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum, "load.py": summarise_load}
+             "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum, "load.py": summarise_load,
+             "vs_llamacpp.py": summarise_vs_llamacpp}
 
 
 def machine_of_env(env: dict) -> str:
