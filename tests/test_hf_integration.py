@@ -119,14 +119,28 @@ def test_mixed_formats_record_no_config(float_dir):
     assert getattr(model.config, "quantization_config", None) is None
 
 
-def test_tied_quantized_lm_head_records_no_config(tmp_path):
-    """exclude=[] quantizes an lm_head tied to the input embedding, which
-    transformers cannot save packed: no config, and a warning."""
+def test_tied_quantized_lm_head_saves_untied(tmp_path):
+    """exclude=[] quantizes an lm_head tied to the input embedding: the
+    packed lm_head is a weight of its own beside the float embedding, so the
+    model is untied (it recorded no config and save_pretrained wrote a
+    checkpoint that loaded unquantized); save_pretrained writes the one
+    packed copy and the embedding, from_pretrained loads them back bit for bit."""
+    from safetensors import safe_open
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CFG, tie_word_embeddings=True))
-    with pytest.warns(UserWarning, match="tied to the input embedding"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         ulbtorch.quantize_(model, bits=2, exclude=[])
-    assert getattr(model.config, "quantization_config", None) is None
+    assert isinstance(model.lm_head, Linear2Bit) and model.config.quantization_config.modules_to_not_convert == []
+    assert model.config.tie_word_embeddings is False and model.all_tied_weights_keys == {}
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert {k for k in f.keys() if "lm_head" in k or "embed" in k} == {"lm_head.packed",
+                                                                             "model.embed_tokens.weight"}
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 300, (1, 5))
+    assert isinstance(again.lm_head, Linear2Bit) and torch.equal(again(ids).logits, model(ids).logits)
 
 
 def test_bf16_gemv_option_survives_save_and_reload(float_dir, tmp_path):
@@ -257,13 +271,28 @@ def test_quantized_lm_head_through_transformers(float_dir, tmp_path, head_bits, 
     assert torch.equal(again(ids).logits, model(ids).logits)
 
 
-def test_tied_lm_head_is_not_packed_through_transformers(tmp_path):
+def test_tied_lm_head_packed_while_loading_is_untied(tmp_path):
+    """Quantizing a tied lm_head while loading (lm_head_bits, or
+    modules_to_not_convert that leaves it in) is quantize_ on the loaded
+    model, which unties it; a bf16 lm_head stays tied. A packed checkpoint
+    whose config says tied is refused: it has no lm_head weight to share."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**CFG, tie_word_embeddings=True)).save_pretrained(tmp_path)
-    for cfg in (UlbConfig(bits=2, lm_head_bits=8), UlbConfig(bits=2, modules_to_not_convert=["nothing"])):
-        with pytest.raises(ValueError, match="tie_word_embeddings"):
-            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=UlbConfig(bits=2))
+    AutoModelForCausalLM.from_config(LlamaConfig(**CFG, tie_word_embeddings=True)).save_pretrained(tmp_path / "f")
+    ids = torch.randint(0, 300, (1, 5))
+    for cfg, cls in ((UlbConfig(bits=2, lm_head_bits=8), Linear8Bit),
+                     (UlbConfig(bits=2, modules_to_not_convert=["nothing"]), Linear2Bit)):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "f", quantization_config=cfg)
+        assert type(model.lm_head) is cls and model.config.tie_word_embeddings is False
+        want = ulbtorch.quantize_(AutoModelForCausalLM.from_pretrained(tmp_path / "f"), cfg.to_quant_config())
+        assert torch.equal(model(ids).logits, want(ids).logits)
+    model.save_pretrained(tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    (tmp_path / "q" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"ulb: the checkpoint's 'lm_head' is packed but its config ties it to the "
+                                         r"input embedding \(tie_word_embeddings\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "f", dtype=torch.bfloat16,
+                                                 quantization_config=UlbConfig(bits=2))
     assert type(model.lm_head) is LinearBF16 and model.lm_head.weight is model.model.embed_tokens.weight
 
 

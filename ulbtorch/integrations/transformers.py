@@ -106,17 +106,18 @@ def record_quant_config(model, config: QuantConfig) -> None:
     they leave out (for a base model such as model.model, also as "*.name",
     which its head model's names match). A second quantize_ that converts nothing keeps the config
     of the first; one that leaves the model in formats no single UlbConfig
-    says (two main formats, or a quantized lm_head tied to the input
-    embedding, which transformers cannot save packed) drops a ulb config
-    and warns: such a model is saved with ulbtorch.save_quantized. Another
-    quantization method's config is left alone."""
+    says (two main formats) drops a ulb config and warns: such a model is
+    saved with ulbtorch.save_quantized. Another quantization method's config
+    is left alone. A quantized lm_head tied to the input embedding is untied
+    first (_untie_packed_head)."""
     previous = getattr(model.config, "quantization_config", None)
     if previous is not None and getattr(previous, "quant_method", None) != QUANT_METHOD:
         return
     if not any(isinstance(m, LowBitLinear) for m in model.modules()):
         return  # nothing quantized (include patterns that selected nothing): nothing to say
+    _untie_packed_head(model)
     candidate = _config_for(model, config)
-    if candidate is not None and _describes(model, candidate):
+    if _describes(model, candidate):
         model.config.quantization_config = candidate
         return
     if previous is not None and _describes(model, previous):
@@ -124,20 +125,32 @@ def record_quant_config(model, config: QuantConfig) -> None:
     if previous is not None:
         del model.config.quantization_config
     warnings.warn("quantize_: no UlbConfig describes this model's layers (" +
-                  ("a quantized lm_head tied to the input embedding" if candidate is None else
-                   "layers of more than one format or group size, or with and without input norms") +
+                  "layers of more than one format or group size, or with and without input norms" +
                   "), so model.config records none and transformers' save_pretrained would write a checkpoint "
                   "that loads unquantized; save it with ulbtorch.save_quantized",
                   stacklevel=5)  # the call of quantize_ or the importer, through run_conversion_hooks
 
 
-def _config_for(model, config: QuantConfig) -> "UlbConfig | None":
-    """config as a UlbConfig (its include patterns turned into the names of
-    the float layers they leave out), or None where the model's output
-    embedding is a quantized layer tied to its input embedding."""
+def _untie_packed_head(model) -> None:
+    """A quantized lm_head tied to the input embedding (tie_word_embeddings)
+    holds a packed weight of its own beside the float embedding: the model is
+    no longer tied, and its config says so, so that save_pretrained writes
+    both (the packed lm_head and the float embedding) and from_pretrained and
+    vLLM load them untied."""
     out = getattr(model, "get_output_embeddings", lambda: None)()
-    if getattr(model.config, "tie_word_embeddings", False) and isinstance(out, LowBitLinear):
-        return None
+    if not isinstance(out, LowBitLinear):
+        return
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # what transformers ties at save and load
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
+def _config_for(model, config: QuantConfig) -> "UlbConfig":
+    """config as a UlbConfig (its include patterns turned into the names of
+    the float layers they leave out)."""
+    out = getattr(model, "get_output_embeddings", lambda: None)()
     exclude = list(config.exclude)
     # A base model (LlamaModel) may be the `model` of a head model that shares
     # its config and saves it with a prefix: its exact names are recorded also
@@ -197,15 +210,17 @@ def _describes(model, ulb: UlbConfig) -> bool:
 
 def _check_untied_output(model, targets) -> None:
     """transformers ties lm_head.weight to the input embedding when the
-    config says so, at save and at load; a packed lm_head has no such weight."""
+    config says so, at load; a packed lm_head has no such weight (quantizing
+    while loading, quantize_ unties it: _untie_packed_head)."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return
     out = model.get_output_embeddings()
     for name, m, _ in targets:
         if m is out:
-            raise ValueError(f"ulb: {name!r} shares its weight with the input embedding (tie_word_embeddings), "
-                             "so transformers cannot save or load it packed; keep it in bf16 (the default), or "
-                             "quantize it with ulbtorch.quantize_(..., lm_head_bits=8 or 4) and ulbtorch.save_quantized")
+            raise ValueError(f"ulb: the checkpoint's {name!r} is packed but its config ties it to the input "
+                             "embedding (tie_word_embeddings), and a packed layer has no weight to share; ulbtorch "
+                             "saves a quantized lm_head untied, with the float embedding beside it: set "
+                             "tie_word_embeddings to false in config.json if the checkpoint holds both")
 
 
 def _empty_layer(config: QuantConfig, in_features: int, out_features: int, bias: bool, like,
@@ -226,7 +241,8 @@ class UlbHfQuantizer(HfQuantizer):
         config = self.quantization_config.to_quant_config()
         norm_eps = self.quantization_config.input_norm_eps
         targets = config.targets(model)
-        _check_untied_output(model, targets)
+        if self.pre_quantized:
+            _check_untied_output(model, targets)
         if not self.pre_quantized:
             if norm_eps is not None:
                 raise ValueError(f"ulb: input_norm_eps={norm_eps} describes a packed checkpoint whose layers hold "
