@@ -75,6 +75,8 @@ def parse_args(argv):
                                                       "else the newest on PyPI)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs of the llama.cpp build (default 2)")
     p.add_argument("--build-only", action="store_true", help="build or reuse llama.cpp, print its bin folder, exit")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="build the peers and write every model file, time nothing (the timed run reuses them)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"our formats (default {','.join(FORMATS)})")
     p.add_argument("--heads", default=",".join(HEADS), help=f"output heads (default {','.join(HEADS)})")
@@ -268,7 +270,7 @@ def main(argv=None):
 
     skipped = []
     ao_models = {}
-    if not args.no_torchao:
+    if not args.no_torchao and not args.prepare_only:
         version = torchao_peer.available()
         if version is None:
             skipped.append("torchao: not installed (pip install --no-deps torchao)")
@@ -284,7 +286,8 @@ def main(argv=None):
     for s in skipped:
         print(f"  skipped: {s}")
 
-    bw_before = common.measure_read_bandwidth(args.threads, size_bytes=args.bw_mib * common.MiB, verbose=True)
+    if not args.prepare_only:
+        bw_before = common.measure_read_bandwidth(args.threads, size_bytes=args.bw_mib * common.MiB, verbose=True)
     groups = []  # (threads, fmt, head, cands, samples)
     same_weights = []
     for fmt in args.formats:
@@ -305,6 +308,10 @@ def main(argv=None):
                     differ = llamacpp.differing_tensors(path, twin)
                     same_weights.append(f"{os.path.basename(path)} against llama-quantize's {os.path.basename(twin)}: "
                                         f"{len(differ)} tensors differ ({', '.join(differ) or 'none'})")
+            if args.prepare_only:
+                del qm
+                gc.collect()
+                continue
             if head == "bf16":
                 peers += [dict(name=f"torchao {n}", source="torchao quantize_", model=m, kind="torchao")
                           for n, m in ao_models.items() if torchao_peer.MATCHES[n] == fmt]
@@ -318,12 +325,15 @@ def main(argv=None):
                 groups.append((t, fmt, head, cands, samples))
             del qm
             gc.collect()
+    if args.prepare_only:
+        print(f"# model files ready in {root}")
+        return
     bw_after = common.measure_read_bandwidth(args.threads, size_bytes=args.bw_mib * common.MiB, verbose=True)
     beta = {t: max(bw_before[t]["gbps"], bw_after[t]["gbps"]) for t in args.threads}
 
     table = common.Table([("threads", "thr", "d"), ("body", "body", None), ("head", "head", None),
                           ("engine", "engine", None), ("source", "file / source", None),
-                          ("mib_tok", "MiB/token", ".0f"), ("tg_tok_s", "decode tok/s", ".2f"),
+                          ("mib_tok", "MiB/token", ".1f"), ("tg_tok_s", "decode tok/s", ".2f"),
                           ("pct_bound", "% of bound", ".0f"), ("pp_tok_s", "prefill tok/s", ".1f"),
                           ("x_decode", "ours/peer decode", ".2f"), ("x_prefill", "ours/peer prefill", ".2f")],
                          title=f"vs llama.cpp, {args.model} ({cfg['num_hidden_layers']} layers)")
