@@ -119,7 +119,7 @@ def model_config(args) -> dict:
     return cfg
 
 
-def model_files(lc, args, cfg: dict, log=print) -> tuple[str, dict]:
+def model_files(args, cfg: dict, log=print) -> tuple[str, dict]:
     """The cached HF folder of cfg (written when missing) and the path maker
     for GGUF files beside it."""
     meta = dict(config=cfg, seed=args.seed, ternary="s_row * {-1,0,1}, s_row = mean |w| of the random row",
@@ -160,13 +160,13 @@ def llama_files(lc, args, hf: str, root: str, log=print) -> dict[tuple[str, str]
         for qtype in FORMATS[fmt][1]:
             for head in args.heads:
                 path = cached(os.path.join(root, f"{qtype}-out_{HEADS[head][1]}.gguf"),
-                              lambda p: llamacpp.quantize(lc, bf16, p, qtype, HEADS[head][1], nthreads),
+                              lambda p, q=qtype, o=HEADS[head][1]: llamacpp.quantize(lc, bf16, p, q, o, nthreads),
                               f"llama-quantize {qtype} --output-tensor-type {HEADS[head][1]}", log)
                 out.setdefault((fmt, head), []).append(dict(name=f"llama.cpp {qtype}", source="convert+quantize",
                                                             path=path))
             if not args.no_mix:
                 path = cached(os.path.join(root, f"{qtype}-mix.gguf"),
-                              lambda p: llamacpp.quantize(lc, bf16, p, qtype, None, nthreads),
+                              lambda p, q=qtype: llamacpp.quantize(lc, bf16, p, q, None, nthreads),
                               f"llama-quantize {qtype}, its default mix", log)
                 head_type = llamacpp.tensor_types(path).get("output.weight", "?")
                 out.setdefault((fmt, mix_head), []).append(dict(
@@ -211,10 +211,10 @@ def ulb_sample(model, ids_ctx, ids_pp, tokens: int) -> dict:
 
 def time_group(ours, peers, threads: int, args, lc, ids_ctx, ids_pp) -> tuple[list, list]:
     """Rounds of one sample of each candidate, in turn, each round starting
-    one candidate later (as common.time_interleaved). ours: (label, model);
+    one candidate later (as common.time_interleaved). ours: our model;
     peers: dicts with a GGUF "path" (llama-bench) or a "model" (in-process).
-    Returns each candidate's samples."""
-    cands = [dict(kind="ulb", model=ours)] + peers
+    Returns the candidates (ours first) and each one's samples."""
+    cands = [dict(model=ours)] + peers
     with common.num_threads(threads):
         for c in cands:  # warm up the in-process ones (llama-bench warms each run up itself)
             if c.get("model") is not None:
@@ -257,7 +257,7 @@ def main(argv=None):
     print(f"# config {args.model}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
     print(f"# llama.cpp {lc.version} ({lc.bin_dir}); decode: {args.tokens} tokens after {args.context}, prefill "
           f"{args.prompt_len} tokens; {args.rounds} rounds in turn")
-    hf, root = model_files(lc, args, cfg)
+    hf, root = model_files(args, cfg)
     peer_files = llama_files(lc, args, hf, root)
     base = hf_model.load_folder(hf)
     # No EOS: generate then runs --tokens steps without decode.generate's
@@ -293,15 +293,14 @@ def main(argv=None):
     for fmt in args.formats:
         for head in args.heads:
             qm = ulbtorch.quantize_(copy.deepcopy(base), **FORMATS[fmt][0], **HEADS[head][0])
-            peers = [dict(f, kind="llama.cpp") for f in peer_files.get((fmt, head), [])]
+            peers = [dict(f) for f in peer_files.get((fmt, head), [])]
             if "save_gguf" in args.sources:
                 path = os.path.join(root, f"save_gguf-{fmt}-out_{HEADS[head][1]}.gguf")
                 with warnings.catch_warnings():  # the bf16 head's fp32 scales rounded to the blocks' fp16
                     warnings.simplefilter("ignore")
-                    cached(path, lambda p: ulbtorch.save_gguf(qm, p), f"ulbtorch.save_gguf of ours")
+                    cached(path, lambda p, m=qm: ulbtorch.save_gguf(m, p), "ulbtorch.save_gguf of ours")
                 qtype = llamacpp.tensor_types(path)["blk.0.ffn_up.weight"]
-                peers.insert(0, dict(name=f"llama.cpp {qtype}", source="save_gguf (our weights)", path=path,
-                                     kind="llama.cpp"))
+                peers.insert(0, dict(name=f"llama.cpp {qtype}", source="save_gguf (our weights)", path=path))
                 twin = next((f["path"] for f in peer_files.get((fmt, head), []) if f["name"] == f"llama.cpp {qtype}"),
                             None)
                 if twin:  # the token embedding differs by design: llama-quantize quantizes it, save_gguf not
@@ -313,7 +312,7 @@ def main(argv=None):
                 gc.collect()
                 continue
             if head == "bf16":
-                peers += [dict(name=f"torchao {n}", source="torchao quantize_", model=m, kind="torchao")
+                peers += [dict(name=f"torchao {n}", source="torchao quantize_", model=m)
                           for n, m in ao_models.items() if torchao_peer.MATCHES[n] == fmt]
             for p in peers:
                 p["bytes"] = llamacpp.bytes_per_token(p["path"]) if "path" in p else ulb_bytes(p["model"])

@@ -34,8 +34,10 @@ def available() -> str | None:
 
 
 def _configs() -> dict:
-    from torchao.prototype.quantization.int4 import (Int8DynamicActivationInt4WeightConfig,
-                                                     PrototypeInt4WeightOnlyConfig)
+    from torchao.prototype.quantization.int4 import (
+        Int8DynamicActivationInt4WeightConfig,
+        PrototypeInt4WeightOnlyConfig,
+    )
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerGroup
 
