@@ -2,6 +2,7 @@
 against gguf-py's dequantisation (ggml's rule for Q1_0 and I2_S) and
 transformers' own float loading of the same file; damaged files named."""
 import struct
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -399,3 +400,23 @@ def test_save_gguf_refuses_what_gguf_cannot_hold(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
     with pytest.raises(ValueError, match="save_gguf writes models of types"):
         ulbtorch.save_gguf(nn.Sequential(nn.Linear(4, 4)), tmp_path / "x.gguf")
+
+
+def test_save_gguf_writes_as_many_tokens_as_embedding_rows(tmp_path):
+    """llama.cpp refuses a file whose token list is not the embedding's
+    rows: transformers' <|endoftext|>, past the rows, is left out, and a
+    vocabulary shorter than the rows padded as llama.cpp's converter pads it."""
+    for rows in (len(TOKENS), len(TOKENS) + 3):
+        gw.write_gguf(tmp_path / "in.gguf", gw.tiny("llama", vocab_size=rows), by_name(LLAMA_TYPES), tokens=TOKENS,
+                      merges=MERGES)
+        model, tokenizer = ulbtorch.load_gguf(tmp_path / "in.gguf", with_tokenizer=True)
+        assert len(tokenizer) == len(TOKENS) + 1  # transformers adds <|endoftext|>
+        with pytest.warns(UserWarning, match=r"tokens \['<\|endoftext\|>'\] \(ids 320 on\) are beyond the model's "
+                                             "320 embedding rows") if rows == len(TOKENS) else nullcontext():
+            ulbtorch.save_gguf(model, tmp_path / "out.gguf", tokenizer=tokenizer)
+        fields = gguf.GGUFReader(tmp_path / "out.gguf").fields
+        written = fields["tokenizer.ggml.tokens"].contents()
+        assert len(written) == len(fields["tokenizer.ggml.token_type"].contents()) == rows
+        assert written[:len(TOKENS)] == TOKENS
+        if rows > len(TOKENS):  # the tokenizer's added token is a row of the model here, then padding
+            assert written[len(TOKENS):] == ["<|endoftext|>", "[PAD321]", "[PAD322]"]

@@ -59,8 +59,13 @@ def _metadata(writer, config, arch: str) -> None:
             writer.add_uint32(f"{arch}.{key}", int(value))
 
 
-def _tokenizer(writer, tokenizer, pre: str) -> None:
-    """A BPE tokenizer (tokenizer.json) as llama.cpp's "gpt2" vocabulary."""
+def _tokenizer(writer, tokenizer, pre: str, n_vocab: int) -> None:
+    """A BPE tokenizer (tokenizer.json) as llama.cpp's "gpt2" vocabulary of
+    exactly n_vocab tokens, the embedding's rows (llama.cpp refuses a file
+    whose token list is longer or shorter): tokens beyond the rows, which
+    the model cannot embed (such as the <|endoftext|> transformers adds to a
+    GGUF vocabulary it reads), are left out, and missing ones padded as
+    llama.cpp's converter pads them ("[PAD<id>]", unused)."""
     import gguf
 
     if tokenizer is None:
@@ -73,12 +78,20 @@ def _tokenizer(writer, tokenizer, pre: str) -> None:
         except (FileNotFoundError, ValueError, TypeError) as e:
             raise ValueError(f"save_gguf: the tokenizer is not a BPE tokenizer gguf-py reads ({e}); pass "
                              "tokenizer=None to write the model without one") from None
-        tokens, scores, types = zip(*vocab.all_tokens())
+        tokens, _, types = (list(c) for c in zip(*vocab.all_tokens()))
+        beyond = [t.decode() if isinstance(t, bytes) else t for t in tokens[n_vocab:]]
+        if beyond:
+            warnings.warn(f"save_gguf: the tokenizer's tokens {beyond[:5]} (ids {n_vocab} on) are beyond the "
+                          f"model's {n_vocab} embedding rows: the GGUF vocabulary leaves them out", stacklevel=3)
+        tokens, types = tokens[:n_vocab], types[:n_vocab]
+        for i in range(len(tokens), n_vocab):
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre)
-        writer.add_token_list(list(tokens))
+        writer.add_token_list(tokens)
         writer.add_token_types([int(t) for t in types])
-        gguf.SpecialVocab(gguf.vocab.Path(tmp), load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+        gguf.SpecialVocab(gguf.vocab.Path(tmp), load_merges=True, n_vocab=n_vocab).add_to_gguf(writer, quiet=True)
 
 
 class _Scales:
@@ -190,6 +203,11 @@ def _plan(model: nn.Module, arch: str, processor) -> list[tuple]:
     return plan
 
 
+def _vocab_rows(model: nn.Module) -> int:
+    embedding = model.get_input_embeddings()
+    return embedding.weight.shape[0]
+
+
 def save_gguf(model: nn.Module, path, *, tokenizer=None, tokenizer_pre: str = "default") -> None:
     """Write a transformers model of a llama, mistral, qwen2 or qwen3 config
     whose linear layers ulbtorch quantised (the others float) as a GGUF
@@ -222,7 +240,7 @@ def save_gguf(model: nn.Module, path, *, tokenizer=None, tokenizer_pre: str = "d
         if formats:
             writer.add_file_type(FILE_TYPES.get(formats.most_common(1)[0][0], 0))
         _metadata(writer, config, arch)
-        _tokenizer(writer, tokenizer, tokenizer_pre)
+        _tokenizer(writer, tokenizer, tokenizer_pre, _vocab_rows(model))
         for gname, ttype, shape, nbytes, _ in plan:
             # (a dtype other than uint8 keeps gguf-py from reading the shape as a byte shape)
             writer.add_tensor_info(gname, shape, np.dtype(np.float32), nbytes,
