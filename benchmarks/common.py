@@ -69,10 +69,9 @@ DEFAULT_SHAPES = os.path.join(REPO_ROOT, "benchmarks", "shapes.json")
 # Bits per stored weight of each packed format (storage, not information).
 FORMAT_BITS = {"int2_sym": 2, "int2": 2, "ternary": 2, "binary": 1, "int4": 4, "int8": 8}
 # Friendly names accepted on the command line.
-FORMAT_ALIASES = {"2": "int2_sym", "2bit": "int2_sym", "int2_sym": "int2_sym", "int2": "int2",
-                  "ternary": "ternary", "1.58": "ternary", "t": "ternary",
-                  "1": "binary", "1bit": "binary", "binary": "binary", "4": "int4", "int4": "int4",
-                  "8": "int8", "int8": "int8"}
+# Short spellings; every format's own name works too (parse_formats).
+FORMAT_ALIASES = {"2": "int2_sym", "2bit": "int2_sym", "1.58": "ternary", "t": "ternary", "1": "binary",
+                  "1bit": "binary", "4": "int4", "8": "int8"}
 
 
 # ---- command line -------------------------------------------------------------
@@ -95,11 +94,14 @@ def parse_grouped(s: str, cast=str) -> list[tuple]:
 
 
 def parse_formats(s: str) -> list[str]:
+    import ulbtorch  # not at import: a benchmark may set ULB_* variables before the library loads
+
+    names = {**{name: name for name in ulbtorch.FORMATS}, **FORMAT_ALIASES}
     out = []
     for f in parse_list(s):
-        if f.lower() not in FORMAT_ALIASES:
-            raise SystemExit(f"unknown format {f!r}; use one of {sorted(set(FORMAT_ALIASES))}")
-        out.append(FORMAT_ALIASES[f.lower()])
+        if f.lower() not in names:
+            raise SystemExit(f"unknown format {f!r}; use one of {sorted(names)}")
+        out.append(names[f.lower()])
     return out
 
 

@@ -3,6 +3,7 @@ quantizer, op and checkpoint tests share."""
 import torch
 
 from ulbtorch import ops, runtime
+from ulbtorch.formats import get_format
 from ulbtorch.nn import MODULE_FOR_FORMAT, Linear2Bit
 
 CLASS_FORMATS = [(cls, fmt) for fmt, cls in MODULE_FOR_FORMAT.items()]  # every row of the format table
@@ -20,9 +21,17 @@ def _float_linear(gen, K=K_IN, M=M_OUT, bias=True):
     return lin
 
 
+def fit_group(fmt, gs):
+    """gs, or for a format whose tiles it does not divide (base 3's 20
+    columns) the next multiple of its tile: the group size the bit-field
+    formats' cases stand for in that format."""
+    tk = get_format(fmt).tile_k
+    return gs if not gs or gs % tk == 0 else -(-gs // tk) * tk
+
+
 def _layer(gen, cls=Linear2Bit, fmt="int2_sym", gs=32, bias=True, K=K_IN, M=M_OUT):
     lin = _float_linear(gen, K, M, bias)
-    return lin, cls.from_linear(lin, format=fmt, group_size=gs)
+    return lin, cls.from_linear(lin, format=fmt, group_size=fit_group(fmt, gs))
 
 
 def isa_preferring(tiles):

@@ -12,6 +12,8 @@ import ulbtorch
 from ulbtorch import ops, runtime
 from ulbtorch.formats import FORMATS, get_format, n_groups, normalize_group_size
 
+from _layers import fit_group
+
 # Where setup.py could not build it (it is optional), only the first test runs, and fails.
 needs_eager = pytest.mark.skipif(not runtime.eager_fast_path_available(),
                                  reason="ulbtorch._eager not built for this torch")
@@ -20,6 +22,7 @@ eager = runtime._eager_linear  # the bound function, whatever the switch says
 
 
 def _blob(gen, fmt, M, K, gs):
+    gs = fit_group(fmt, gs)
     f = get_format(fmt)
     codes = torch.randint(0, f.max_code + 1, (M, K), generator=gen, dtype=torch.uint8)
     G = n_groups(normalize_group_size(gs, K, fmt), K)

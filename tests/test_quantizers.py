@@ -8,17 +8,17 @@ from ulbtorch.formats import get_format
 from ulbtorch.nn import Linear4Bit
 from ulbtorch.quantizers import _MSE_RATIOS, quantize_weight
 
-from _layers import CF_IDS, CLASS_FORMATS, K_IN, M_OUT, METHODS, _float_linear
+from _layers import CF_IDS, CLASS_FORMATS, K_IN, M_OUT, METHODS, _float_linear, fit_group
 
 
 @pytest.mark.parametrize("cls,fmt", CLASS_FORMATS, ids=CF_IDS)
 def test_mse_scale_never_worse_than_absmax(gen, cls, fmt):
     """The MSE search includes the absmax scale, so its weight error is <=."""
     w = torch.randn(M_OUT, K_IN, generator=gen)
-    err = {}
+    err, gs = {}, fit_group(fmt, 32)
     for method in ("absmax", "mse"):
-        codes, scales = quantize_weight(w, fmt, 32, "group", method)
-        err[method] = (ops.dequantize(codes, scales, fmt, 32) - w).pow(2).sum().item()
+        codes, scales = quantize_weight(w, fmt, gs, "group", method)
+        err[method] = (ops.dequantize(codes, scales, fmt, gs) - w).pow(2).sum().item()
     assert err["mse"] <= err["absmax"] * (1 + 1e-6)
 
 
@@ -29,9 +29,10 @@ def test_group_scales_are_those_of_each_group_alone(gen, cls, fmt, method):
     their own, the short last group (K_IN = 100 = 3 x 32 + 4) included: its
     zero padding must not count in a mean or a max."""
     w = torch.randn(M_OUT, K_IN, generator=gen)
-    _, scales = quantize_weight(w, fmt, 32, "group", method)
-    for g, k0 in enumerate(range(0, K_IN, 32)):
-        _, alone = quantize_weight(w[:, k0:k0 + 32], fmt, 0, "channel", method)
+    gs = fit_group(fmt, 32)  # base 3: 40, and a last group of 20
+    _, scales = quantize_weight(w, fmt, gs, "group", method)
+    for g, k0 in enumerate(range(0, K_IN, gs)):
+        _, alone = quantize_weight(w[:, k0:k0 + gs], fmt, 0, "channel", method)
         assert torch.equal(scales[:, g], alone[:, 0]), g
 
 

@@ -47,6 +47,7 @@ class Constants(ctypes.Structure):
         ("prefetch_max", c_int64),
         ("probe_max_streams", c_int),
         ("slowdown_max", c_double),
+        ("base3_bits", c_int),
     ]
 
 

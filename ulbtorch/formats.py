@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._lib import FORMAT_ROWS, TILE_ORDERS
+from ._lib import CONSTANTS, FORMAT_ROWS, TILE_ORDERS
+
+# The `bits` of a format whose codes are five to a byte in base 3 (kernels/src/base3.h), not bit fields.
+BASE3_BITS = CONSTANTS.base3_bits
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,16 @@ class Format:
     bits_name: str  # the `bits` a config of this format reports
     module: str  # the ulbtorch.nn class that holds it
     module_default: bool  # whether that class builds it when no format is named
+
+    @property
+    def base3(self) -> bool:
+        """Five codes a byte, as a base-3 number (ternary_base3)."""
+        return self.bits == BASE3_BITS
+
+    @property
+    def bits_per_code(self) -> float:
+        """Storage per weight, scales and padding aside: 1.6 for base 3, else bits."""
+        return 8 / 5 if self.base3 else self.bits
 
     @property
     def levels(self) -> torch.Tensor:
@@ -114,7 +127,7 @@ def int_arg(value, what: str, accepted: str = "an int") -> int:
 
 def normalize_group_size(group_size: int | None, in_features: int, format: str | Format) -> int:
     """0 (or None) means one group per row; otherwise a multiple of the
-    format's tile_k (32 / bits); a group as wide as the row or wider is one
+    format's tile_k (32 / bits; 20 for base 3); a group as wide as the row or wider is one
     group per row."""
     if group_size is None:
         return 0

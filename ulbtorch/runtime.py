@@ -264,7 +264,8 @@ def use_eager_fast_path(on: bool):
     return _setting(eager_fast_path, set_eager_fast_path, on)
 
 
-PREFETCH_WIDTHS = tuple(sorted({row.bits for row in FORMAT_ROWS}))  # a setting per code width
+# A setting per code width; base-3 codes take the 2-bit one (kernels/src/prefetch.c).
+PREFETCH_WIDTHS = tuple(sorted({row.bits for row in FORMAT_ROWS} - {CONSTANTS.base3_bits}))
 _PREFETCH_MAX = CONSTANTS.prefetch_max
 _PREFETCH_AUTO = CONSTANTS.prefetch_auto
 
@@ -320,8 +321,8 @@ def use_prefetch_distance(bits: int, nbytes):
     return _setting(lambda: prefetch_distance(bits), lambda d: set_prefetch_distance(bits, d), nbytes)
 
 
-# A table per code width (family_base in kernels/src/sched.c), 16 for the bf16 GEMV, 0 for read_probe.
-SCHEDULER_WIDTHS = (0, *PREFETCH_WIDTHS, 16)
+# A table per code width (family_base in kernels/src/sched.c), base 3's too, 16 for the bf16 GEMV, 0 for read_probe.
+SCHEDULER_WIDTHS = (0, *sorted({row.bits for row in FORMAT_ROWS}), 16)
 
 
 def scheduler_stats(bits: int = 2, isa: str | None = None) -> dict:

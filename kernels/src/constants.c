@@ -17,6 +17,7 @@ void ulb_constants_get(ulb_constants *out) {
         .prefetch_max = ULB_PREFETCH_MAX,
         .probe_max_streams = ULB_PROBE_MAX_STREAMS,
         .slowdown_max = ULB_SLOWDOWN_MAX,
+        .base3_bits = ULB_BASE3_BITS,
     };
 }
 

@@ -25,6 +25,8 @@ static const ulb_format_info FORMATS[] = {
     FORMAT(ULB_FMT_BINARY, "binary", 1, 2, -1, 1, VNNI | LANES | KMAJOR, "1", "1", "Linear1Bit", 1),
     FORMAT(ULB_FMT_INT8, "int8", 8, 1, -127, 254, VNNI | KMAJOR, "8", "8", "Linear8Bit", 1),
     FORMAT(ULB_FMT_INT4, "int4", 4, 1, -8, 15, VNNI | KMAJOR, "4", "4", "Linear4Bit", 1),
+    /* Not chosen by any `bits`: only by name, beside the 2-bit ternary (docs/formats.md says when it is faster). */
+    FORMAT(ULB_FMT_TERNARY_BASE3, "ternary_base3", ULB_BASE3_BITS, 1, -1, 2, VNNI, "", "ternary", "LinearTernary", 0),
 };
 #undef FORMAT
 #define NFORMATS ((int)(sizeof FORMATS / sizeof FORMATS[0]))
@@ -65,7 +67,10 @@ static void msgs_init(void) {
         int found = 0;
         for (int i = 0; i < NFORMATS; i++) found |= FORMATS[i].bits == bits && bits != FORMATS[0].bits;
         if (!found) continue;
-        n += snprintf(group_msg + n, sizeof group_msg - n, "%s%d for %d-bit", sep, ULB_TILE_K(bits), bits);
+        if (bits == ULB_BASE3_BITS)
+            n += snprintf(group_msg + n, sizeof group_msg - n, "%s%d for base 3", sep, ULB_TILE_K(bits));
+        else
+            n += snprintf(group_msg + n, sizeof group_msg - n, "%s%d for %d-bit", sep, ULB_TILE_K(bits), bits);
         sep = ", ";
     }
     snprintf(group_msg + n, sizeof group_msg - n, "%s, or cover all of K", *sep == ',' ? ")" : "");
@@ -185,6 +190,20 @@ static int checksum_ok(const uint8_t *blob, int64_t nbytes, const ulb_header *h)
     return h->version < 3 || ulb_blob_checksum(blob, nbytes) == h->checksum;
 }
 
+/* Every code byte of the panels at p (layout L, base 3) from the V it holds
+ * to its stored form (base3.h): the tiles of each group of each panel. */
+static void encode_base3(const ulb_layout *L, uint8_t *p) {
+    for (int64_t pi = 0; pi * ULB_PANEL_TILES * ULB_TILE < L->M_pad; pi++) {
+        const int nt = ulb_panel_ntiles(L->M_pad, pi);
+        for (int64_t gi = 0; gi < L->n_groups; gi++) {
+            const int64_t left = L->ksteps - gi * L->gsteps, steps = left < L->gsteps ? left : L->gsteps;
+            uint8_t *codes = p + ulb_panel_offset(L->ksteps, L->n_groups, pi) + ulb_group_offset(nt, L->gsteps, gi) +
+                             nt * ULB_TILE_SCALE_BYTES;
+            for (int64_t i = 0; i < steps * nt * ULB_TILE_BYTES; i++) codes[i] = ulb_base3_byte(codes[i]);
+        }
+    }
+}
+
 ulb_status ulb_pack(int format, int64_t M, int64_t K, int64_t group_size,
                     const uint8_t *codes, int64_t ldc, const float *scales,
                     uint8_t *blob, int64_t nbytes) {
@@ -213,16 +232,20 @@ ulb_status ulb_pack_tiles(int format, int tiles, int64_t M, int64_t K, int64_t g
     memcpy(blob, &h, sizeof h);
 
     uint8_t *panels = blob + ULB_HEADER_BYTES;
+    static const uint8_t pow3[ULB_BASE3_DIGITS] = {81, 27, 9, 3, 1};
+    const int base3 = fi->bits == ULB_BASE3_BITS;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t k = 0; k < K; k++) {
             int64_t byte;
             int shift;
             ulb_code_pos(&g.layout, m, k, &byte, &shift);
-            panels[byte] |= (uint8_t)(codes[m * ldc + k] << shift);
+            /* Base 3: the byte sums V here (padding: code 0), encode_base3 writes it after. */
+            panels[byte] += base3 ? (uint8_t)(codes[m * ldc + k] * pow3[shift]) : (uint8_t)(codes[m * ldc + k] << shift);
         }
         for (int64_t gi = 0; gi < g.n_groups; gi++)
             memcpy(panels + ulb_scale_pos(&g.layout, m, gi), &scales[m * g.n_groups + gi], sizeof(float));
     }
+    if (base3) encode_base3(&g.layout, panels);
     seal(blob, nbytes);
     return ULB_OK;
 }
@@ -338,12 +361,16 @@ static ulb_status checked_view(const uint8_t *blob, int64_t nbytes, ulb_weight *
     return checksum_ok(blob, nbytes, h) ? ULB_OK : ULB_ERR_CHECKSUM;
 }
 
+static ulb_status body_values_ok(const ulb_weight *w, unsigned max_code);
+
 ulb_status ulb_unpack(const uint8_t *blob, int64_t nbytes, uint8_t *codes, float *scales) {
     ulb_weight w;
     ulb_header h;
     ulb_status st = checked_view(blob, nbytes, &w, &h);
     if (st != ULB_OK) return st;
     const unsigned max_code = (unsigned)ulb_format_get(h.format)->max_code;
+    /* Base 3: every digit is in range, but a byte pack cannot write must not load either. */
+    if (w.bits == ULB_BASE3_BITS && (st = body_values_ok(&w, max_code)) != ULB_OK) return st;
     const ulb_layout L = ulb_weight_layout(&w);
     for (int64_t m = 0; m < w.M; m++) {
         for (int64_t k = 0; k < w.K; k++) {
@@ -380,11 +407,16 @@ static inline int any_all_ones(const uint8_t *p, int64_t n, int bits) {
 }
 
 /* Whether n bytes (a multiple of 8: whole tiles, or KMAJOR's words) of codes
- * `bits` wide hold none above max_code. Where only the all-ones code is
+ * `bits` wide hold none above max_code (base 3: only canonical bytes). Where only the all-ones code is
  * invalid (ternary's 3, int8's 255), 8 bytes at a time; other limits through
  * a table of the bytes that hold a code out of range; a width whose every
  * code is valid needs no look. */
 static int codes_in_range(const uint8_t *p, int64_t n, int bits, unsigned max_code) {
+    if (bits == ULB_BASE3_BITS) {
+        unsigned bad = 0;
+        for (int64_t i = 0; i < n; i++) bad |= !ulb_base3_canonical(p[i]);
+        return !bad;
+    }
     const unsigned mask = (1u << bits) - 1u;
     if (max_code >= mask) return 1;
     if (max_code == mask - 1) {

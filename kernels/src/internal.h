@@ -171,9 +171,9 @@ extern const ulb_gemm_kernel ulb_gemm_amx;
 #define ULB_I8MM_MIN_TOKENS 5
 extern const ulb_gemm_kernel ulb_gemm_i8mm;
 
-/* The GEMM kernel for a call of N tokens under `isa`, or NULL: the panel
+/* The GEMM kernel for a call of N tokens on w under `isa`, or NULL: the panel
  * kernels serve. */
-const ulb_gemm_kernel *ulb_gemm_for_isa(ulb_isa isa, int64_t N);
+const ulb_gemm_kernel *ulb_gemm_for(ulb_isa isa, const ulb_weight *w, int64_t N);
 
 /* Where a linear call writes its result. */
 typedef struct {
@@ -210,6 +210,14 @@ void ulb_panel_dotprod(const ulb_weight *w, int64_t tile0, int ntiles, const ulb
                        float *facc, int32_t *dots);
 void ulb_panel_i8mm(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
                     float *facc, int32_t *dots);
+
+/* Base-3 codes (format ternary_base3, src/base3.h), the same contract. */
+void ulb_panel_base3_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
+                              int nb, float *facc, int32_t *dots);
+void ulb_panel_base3_avx2(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                          float *facc, int32_t *dots);
+void ulb_panel_base3_avx512(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0, int nb,
+                            float *facc, int32_t *dots); /* VBMI too */
 
 void ulb_store_rows_ref(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
 void ulb_store_rows_avx512(const ulb_out *o, const float *facc, int64_t n0, int nb, int64_t m0, int64_t rows);
@@ -304,8 +312,10 @@ void ulb_gemv_bf16_rows_neon(const uint16_t *w, int64_t ldw, int64_t K, int64_t 
                              float *out);
 ulb_gemv_bf16_rows_fn ulb_gemv_bf16_rows_for_isa(ulb_isa isa);
 
-/* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set). */
+/* The kernel chosen for the active ISA (set once at load, or by ulb_isa_set):
+ * for bit-field codes, and (ulb_panel_for) for the codes of w, base 3 too. */
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa);
+ulb_panel_fn ulb_panel_for(ulb_isa isa, const ulb_weight *w);
 ulb_store_fn ulb_store_for_isa(ulb_isa isa);
 
 /* Validated view of a blob, for the CPU kernels: ULB_ERR_LAYOUT for a

@@ -234,6 +234,28 @@ ulb_lut1_build_fn ulb_lut1_builder_for(const ulb_weight *w, ulb_isa isa) {
     return NULL;
 }
 
+/* Base-3 codes: AVX-512 with VBMI's vpermi2b looks their digits up; every
+ * other x86 ISA from AVX2 runs the AVX2 kernel's multiplies; elsewhere the
+ * portable one. */
+static ulb_panel_fn base3_panel_for_isa(ulb_isa isa) {
+    switch (isa) {
+#if defined(__x86_64__)
+    case ULB_ISA_AVX512:
+    case ULB_ISA_AMX:
+        if (__builtin_cpu_supports("avx512vbmi")) return ulb_panel_base3_avx512;
+        return ulb_panel_base3_avx2;
+    case ULB_ISA_AVX2:
+    case ULB_ISA_AVXVNNI: return ulb_panel_base3_avx2;
+#endif
+    case ULB_ISA_SCALAR: return ulb_panel_ref;
+    default: return ulb_panel_base3_portable;
+    }
+}
+
+ulb_panel_fn ulb_panel_for(ulb_isa isa, const ulb_weight *w) {
+    return w->bits == ULB_BASE3_BITS ? base3_panel_for_isa(isa) : ulb_panel_for_isa(isa);
+}
+
 ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     switch (isa) {
 #if defined(__x86_64__)
@@ -252,7 +274,8 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
     }
 }
 
-const ulb_gemm_kernel *ulb_gemm_for_isa(ulb_isa isa, int64_t N) {
+const ulb_gemm_kernel *ulb_gemm_for(ulb_isa isa, const ulb_weight *w, int64_t N) {
+    if (w->bits == ULB_BASE3_BITS) return NULL; /* the GEMMs unpack bit fields only */
 #if defined(__x86_64__)
     if (isa == ULB_ISA_AMX && N >= ULB_AMX_MIN_TOKENS) return &ulb_gemm_amx;
 #elif ULB_ARM
@@ -265,7 +288,7 @@ const ulb_gemm_kernel *ulb_gemm_for_isa(ulb_isa isa, int64_t N) {
 
 ulb_panel_pair_fn ulb_panel_pair_for(ulb_isa isa, const ulb_weight *w, int lut1) {
 #if defined(__x86_64__)
-    if (isa == ULB_ISA_AVX2 && w->bits != 1) return ulb_panel_pair_avx2;
+    if (isa == ULB_ISA_AVX2 && w->bits != 1 && w->bits != ULB_BASE3_BITS) return ulb_panel_pair_avx2;
     /* 1-bit: the AVX2 lookups over LANES tiles, which serve those blobs under AVX-512 too. */
     if (w->bits == 1 && lut1 && w->tiles == ULB_TILES_LANES) return ulb_panel_pair_avx2;
 #endif

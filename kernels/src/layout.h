@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "ulb/ulb.h"
+#include "base3.h"
 
 #define ULB_TILE 16 /* rows per tile */
 #define ULB_TILE_BYTES 64
@@ -42,8 +43,9 @@
 static inline int64_t ulb_round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 /* Columns per tile: 32 for 1-bit codes, 16 for 2-bit, 8 for 4-bit, 4 for 8-bit
- * (the format table's tile_k). */
-#define ULB_TILE_K(bits) (32 / (bits))
+ * (the format table's tile_k); 20 for base-3 codes, whose byte 4l + b holds
+ * digit j = code of row l, column 4j + b (base3.h), like field j of a 2-bit tile. */
+#define ULB_TILE_K(bits) ((bits) == ULB_BASE3_BITS ? 4 * ULB_BASE3_DIGITS : 32 / (bits))
 static inline int64_t ulb_tile_k(int bits) { return ULB_TILE_K(bits); }
 
 /* Tiles in panel p (4, or fewer in the last panel). */
@@ -99,7 +101,8 @@ static inline int64_t ulb_scale_pos(const ulb_layout *L, int64_t m, int64_t g) {
            ulb_group_offset(ulb_panel_ntiles(L->M_pad, p), L->gsteps, g) + (m % (ULB_TILE * ULB_PANEL_TILES)) * 4;
 }
 
-/* Byte offset and bit shift of code (m, k) inside the panel area. */
+/* Byte offset and bit shift of code (m, k) inside the panel area; for base-3
+ * codes, which are not bit fields, the digit (0..4) instead of the shift. */
 static inline void ulb_code_pos(const ulb_layout *L, int64_t m, int64_t k, int64_t *byte, int *shift) {
     if (L->tiles == ULB_TILES_KMAJOR) { /* field j = k % tile_k of word (k / tile_k, m), little-endian */
         const int64_t bit = (k % ulb_tile_k(L->bits)) * L->bits;
@@ -115,13 +118,14 @@ static inline void ulb_code_pos(const ulb_layout *L, int64_t m, int64_t k, int64
     const int64_t j = kk / 4, b = kk % 4;
     *byte = ulb_panel_offset(L->ksteps, L->n_groups, p) + ulb_group_offset(nt, L->gsteps, g) +
             nt * ULB_TILE_SCALE_BYTES + (i * nt + t) * ULB_TILE_BYTES + ulb_tile_byte(L->tiles, (int)l, (int)b);
-    *shift = (int)(L->bits * j);
+    *shift = L->bits == ULB_BASE3_BITS ? (int)j : (int)(L->bits * j);
 }
 
 static inline unsigned ulb_code_get(const uint8_t *panels, const ulb_layout *L, int64_t m, int64_t k) {
     int64_t byte;
     int shift;
     ulb_code_pos(L, m, k, &byte, &shift);
+    if (L->bits == ULB_BASE3_BITS) return ulb_base3_code(panels[byte], shift);
     return (panels[byte] >> shift) & ((1u << L->bits) - 1u);
 }
 

@@ -277,14 +277,14 @@ static ulb_status linear_job_init(const ulb_linear_args *a, ulb_dtype x_dt, ulb_
                                   int nthreads, ulb_isa isa, ulb_weight *w, quantized_acts *q, linear_job *job) {
     const int64_t N = a->N;
     const ulb_lut1_build_fn lut1_build = use_lut1(w, N, nthreads, isa);
-    const ulb_gemm_kernel *gemm = ulb_gemm_for_isa(isa, N);
+    const ulb_gemm_kernel *gemm = ulb_gemm_for(isa, w, N);
     const ulb_status st = acts_alloc(w, lut1_build, gemm, nthreads, N, q);
     if (st != ULB_OK) return st;
     /* Two claims per thread: enough to even out a late thread, few atomics. */
     const int64_t claims = 2 * (int64_t)(nthreads > 1 ? nthreads : 1), claim = (N + claims - 1) / claims;
     const ulb_panel_pair_fn pair = use_pairs(w, N, nthreads) ? ulb_panel_pair_for(isa, w, lut1_build != NULL) : NULL;
     *job = (linear_job){w, q, {a->x, x_dt, a->ldx, a->incx}, N, claim, 0, 0, ULB_OK, nthreads == 1,
-                        ulb_panel_for_isa(isa), pair, gemm, ulb_store_for_isa(isa),
+                        ulb_panel_for(isa, w), pair, gemm, ulb_store_for_isa(isa),
                         {q->xscale, a->bias, bias_dt, a->y, y_dt, a->ldy, N == 1 && ring_output(w)}};
     return ULB_OK;
 }
@@ -407,8 +407,8 @@ ulb_status ulb_int_dots(const uint8_t *blob, int64_t nbytes, int64_t N, const in
     if (st != ULB_OK) return st;
     if (N < 0 || !acts_consistent(&w, N, xq, xsum)) return ULB_ERR_SHAPE;
     const ulb_isa isa = ulb_isa_active();
-    const ulb_panel_fn fn = ulb_panel_for_isa(isa);
-    const ulb_gemm_kernel *gemm = ulb_gemm_for_isa(isa, N);
+    const ulb_panel_fn fn = ulb_panel_for(isa, &w);
+    const ulb_gemm_kernel *gemm = ulb_gemm_for(isa, &w, N);
     const int64_t G = w.n_groups;
     const ulb_lut1_build_fn lut1_build = use_lut1(&w, N, 1, isa);
     const int lut = lut1_build != NULL;

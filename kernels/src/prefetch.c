@@ -25,6 +25,7 @@
  *   every CPU: 8 KiB. Without vpdpbusd they spend about twice the
  *   instructions per byte of the AVX-512 ones and, like the 1-bit kernels,
  *   keep up with memory only with a prefetch.
+ * Base-3 codes (ternary_base3) take the 2-bit setting and rule.
  * The read probe (probe.c) reads as the AVX-512 2-bit kernel does, whatever
  * the ISA: it stands for the memory, not for a kernel. */
 #include <pthread.h>
@@ -86,6 +87,7 @@ ulb_status ulb_prefetch_set(int bits, int64_t bytes) {
 }
 
 int64_t ulb_prefetch_resolve_for(ulb_isa isa, int bits, int nthreads, int64_t group_code_bytes) {
+    if (bits == ULB_BASE3_BITS) bits = 2; /* a byte of codes per 20 or 16 weights' columns of a row: the 2-bit setting */
     int64_t d;
     if (ulb_prefetch_get(bits, &d) != ULB_OK) return 0;
     if (d != ULB_PREFETCH_AUTO) return d;

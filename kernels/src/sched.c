@@ -42,6 +42,7 @@ static int family_base(int bits) {
     case 2: return 3;
     case 4: return ULB_SCHED_INT4;
     case 8: return ULB_SCHED_INT8;
+    case ULB_BASE3_BITS: return ULB_SCHED_BASE3;
     case 16: return ULB_SCHED_BF16;
     default: return -1;
     }

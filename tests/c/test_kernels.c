@@ -64,7 +64,8 @@ static struct form {
 static int N_FORMS;
 
 /* FORMS from the format table, and the table's own consistency: ids unique
- * and found by ulb_format_get, tile_k = 32 / bits, codes within their bits,
+ * and found by ulb_format_get, tile_k = 32 / bits (20: five base-3 codes of
+ * four columns), codes within their bits,
  * levels within int8 (the kernels keep them in bytes), level_a 1 or 2 (the
  * AMX GEMM adds codes once or twice), every format in VNNI tiles. */
 static int forms_init(int *n) {
@@ -81,7 +82,8 @@ static int forms_init(int *n) {
     for (int i = 0; i < ulb_format_count(); i++) {
         const ulb_format_info *fi = ulb_format_at(i);
         const int lo = fi->level_b, hi = fi->level_a * fi->max_code + fi->level_b;
-        if (ulb_format_get(fi->id) != fi || fi->tile_k * fi->bits != 32 || fi->max_code >= (1 << fi->bits) ||
+        const int tile_k = fi->bits == ULB_BASE3_BITS ? 4 * 5 : 32 / fi->bits;
+        if (ulb_format_get(fi->id) != fi || fi->tile_k != tile_k || fi->max_code >= (1 << fi->bits) ||
             fi->max_code < 1 || lo < -128 || hi > 127 || (fi->level_a != 1 && fi->level_a != 2) ||
             !(fi->tiles & (1u << ULB_TILES_VNNI)) || fi->tiles >> ULB_TILES_COUNT || !fi->name || !fi->aliases ||
             !fi->bits_name || !fi->module) {
@@ -115,8 +117,16 @@ static int check_int_extremes(int fmt, int tiles, int64_t K, int64_t N) {
     return fails;
 }
 
+/* gs, or for a format whose tile it does not divide (base 3's 20 columns)
+ * the next multiple of the tile: the group sizes below are the bit-field
+ * formats' cases. */
+static int64_t fit_gs(const ulb_format_info *fi, int64_t gs) {
+    return gs <= 0 || gs % fi->tile_k == 0 ? gs : (gs + fi->tile_k - 1) / fi->tile_k * fi->tile_k;
+}
+
 static int check(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, int64_t N) {
     const ulb_format_info *fi = ulb_format_get(fmt);
+    gs = fit_gs(fi, gs);
     int64_t nb = ulb_packed_nbytes(fmt, M, K, gs);
     if (nb < 0) { printf("nbytes error %s\n", ulb_status_str((ulb_status)-nb)); return 1; }
     int64_t G = gs <= 0 || gs >= K ? 1 : (K + gs - 1) / gs;
@@ -229,6 +239,7 @@ static void x_strides(int layout, int64_t N, int64_t K, int64_t *ldx, int64_t *i
 static int check_linear(int fmt, int tiles, int64_t M, int64_t K, int64_t gs, int64_t N, ulb_dtype x_dt, int layout,
                         int has_bias, ulb_dtype bias_dt, ulb_dtype y_dt) {
     const ulb_format_info *fi = ulb_format_get(fmt);
+    gs = fit_gs(fi, gs);
     const int64_t nb = ulb_packed_nbytes(fmt, M, K, gs);
     if (nb < 0) { printf("nbytes error %s\n", ulb_status_str((ulb_status)-nb)); return 1; }
     const int64_t G = gs <= 0 || gs >= K ? 1 : (K + gs - 1) / gs;
@@ -497,6 +508,15 @@ static int check_kmajor(int *n) {
     const int64_t M = 21, K = 200;
     for (int i = 0; i < ulb_format_count(); i++) {
         const ulb_format_info *fi = ulb_format_at(i);
+        if (!(fi->tiles >> ULB_TILES_KMAJOR & 1)) { /* base 3: refused by name */
+            const int64_t nb = ulb_packed_nbytes(fi->id, M, K, 0);
+            uint8_t *codes = calloc(M * K, 1), *blob = malloc(nb);
+            float *sc = calloc(M, sizeof(float));
+            fails += ulb_pack_tiles(fi->id, ULB_TILES_KMAJOR, M, K, 0, codes, K, sc, blob, nb) != ULB_ERR_TILES;
+            free(codes); free(blob); free(sc);
+            (*n)++;
+            continue;
+        }
         const int64_t gs = fi->tile_k * 2, nb = ulb_packed_nbytes(fi->id, M, K, gs);
         const int64_t G = (ulb_round_up(K, fi->tile_k) + gs - 1) / gs;
         uint8_t *codes = malloc(M * K), *back = malloc(M * K), *blob[2] = {malloc(nb), malloc(nb)}, *got = malloc(nb);
@@ -567,7 +587,7 @@ static int check_linear_many(int fmt, int tiles, int decode, ulb_dtype dt, int *
     int fails = 0;
     for (int i = 0; i < MANY_LAYERS; i++) {
         const int64_t M = decode ? 192 : shapes[i][0], K = decode ? 256 : shapes[i][1];
-        const int64_t gs = decode ? 32 : shapes[i][2], N = decode ? 1 : shapes[i][3];
+        const int64_t gs = fit_gs(fi, decode ? 32 : shapes[i][2]), N = decode ? 1 : shapes[i][3];
         const int64_t G = gs <= 0 || gs >= K ? 1 : (K + gs - 1) / gs, nb = ulb_packed_nbytes(fmt, M, K, gs);
         uint8_t *codes = malloc(M * K);
         float *sc = malloc(M * G * 4);

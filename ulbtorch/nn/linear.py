@@ -383,11 +383,17 @@ class LowBitLinear(nn.Module):
         packed = self._buffers["packed"]
         if packed.device.type == "meta" or is_fake(packed) or not bool(packed[:4].any()):
             return  # no weights yet: the loader that fills them settles them
-        kmajor = accel.serves(packed.device)
+        kmajor = self._kmajor_on(packed.device)
         if (ops.packed_info(packed)["tiles"] == "kmajor") != kmajor:
             self._buffers["packed"] = ops.retile(packed, "kmajor" if kmajor else None).to(packed.device)
             self._dequant_cache = None
         self._set_kmajor(kmajor)
+
+    def _kmajor_on(self, device: torch.device) -> bool:
+        """Whether the blob takes the accelerator layout on `device`: where
+        the Triton kernels serve it and the format has that layout (not base
+        3, which runs there as the dequantised weight, backend "torch")."""
+        return accel.serves(device) and "kmajor" in get_format(self.format).tiles
 
     def _set_kmajor(self, kmajor: bool) -> None:
         if kmajor:
@@ -400,7 +406,7 @@ class LowBitLinear(nn.Module):
         self._dequant_cache = None
         packed = self._buffers["packed"]
         if packed.device.type != "meta" and not is_fake(packed) and bool(packed[:4].any()):
-            kmajor = accel.serves(fn(packed.new_empty(0)).device)
+            kmajor = self._kmajor_on(fn(packed.new_empty(0)).device)
             if kmajor != self._kmajor:
                 self._buffers["packed"] = ops.retile(packed, "kmajor" if kmajor else None)
                 self._set_kmajor(kmajor)

@@ -56,8 +56,15 @@ typedef enum {
     ULB_FMT_INT8 = 5,     /* levels -127..127:    q - 127, code 255 invalid (for layers kept near full
                            * precision, such as lm_head); ulb_pack, ulb_unpack and ulb_blob_verify
                            * refuse it (the kernels do not look: they would read it differently) */
-    ULB_FMT_INT4 = 6      /* levels -8..7:        q - 8 (llama.cpp's Q4_0 levels) */
+    ULB_FMT_INT4 = 6,     /* levels -8..7:        q - 8 (llama.cpp's Q4_0 levels) */
+    ULB_FMT_TERNARY_BASE3 = 7 /* levels {-1,0,1}: q - 1, five codes a byte (1.6 bits a weight, ULB_BASE3_BITS) */
 } ulb_format;
+
+/* The `bits` of a format whose codes (0..2) are not bit fields: five of them
+ * make one byte, a base-3 number (src/base3.h says how), and a tile holds 16
+ * rows x 20 columns. Not a width any bit-field kernel reads: base-3 formats
+ * have kernels of their own (panel_base3*.c). */
+#define ULB_BASE3_BITS 3
 
 /* One row of the format table (src/format.c), the single source every layer
  * reads: Python reads it through ulb_format_at at import. A new level map at
@@ -65,10 +72,10 @@ typedef enum {
 typedef struct {
     int id;                /* the ulb_format value */
     const char *name;      /* "int2_sym" */
-    int bits;              /* storage bits per code: 1, 2, 4 or 8 */
+    int bits;              /* storage bits per code: 1, 2, 4 or 8; ULB_BASE3_BITS for five codes a byte */
     int level_a, level_b;  /* level = level_a * q + level_b */
     int max_code;          /* largest valid code */
-    int tile_k;            /* input columns per tile (32 / bits): K pads to a multiple, group sizes are multiples */
+    int tile_k;            /* input columns per tile (32 / bits; 20 for base 3): K pads to a multiple, group sizes are multiples */
     unsigned tiles;        /* bit (1u << t) set for each ulb_tiles order it may be packed in */
     const char *aliases;   /* comma-separated spellings of quantize_'s `bits` that choose it: "2"; "ternary,1.58"; "" for none */
     const char *bits_name; /* the `bits` a config of this format reports: "1", "ternary", "2" (both 2-bit maps), "4", "8" */
@@ -353,6 +360,7 @@ typedef struct {
     int64_t prefetch_auto, prefetch_max; /* ULB_PREFETCH_AUTO, ULB_PREFETCH_MAX */
     int probe_max_streams;         /* ULB_PROBE_MAX_STREAMS */
     double slowdown_max;           /* ULB_SLOWDOWN_MAX */
+    int base3_bits;                /* ULB_BASE3_BITS */
 } ulb_constants;
 
 void ulb_constants_get(ulb_constants *out);

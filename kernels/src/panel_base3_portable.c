@@ -1,0 +1,64 @@
+/* Portable microkernel of base-3 codes (ternary_base3; base3.h): plain C11
+ * that compilers vectorise, for CPUs without one of x86/'s base-3 kernels.
+ * Same contract as every ISA (internal.h): bit for bit the scalar reference.
+ *
+ * Each 64-byte tile is decoded once into its five digits with base3.h's
+ * multiply (q = byte | 0x80; digit = q * 3 >> 8, then q = q * 3 mod 256),
+ * 64 lanes at a time in 16-bit arithmetic, then every token's lanes take
+ * digit j times the four activations of k-quad j (lane 4l + b: column 4j + b
+ * of row l, layout.h), as the bit-field portable kernel does with fields. */
+#include <string.h>
+
+#include "internal.h"
+
+#define LANES ULB_TILE_BYTES
+
+/* codes[j][u]: digit j of byte u of the tile. */
+static inline void decode_tile(const uint8_t *tile, uint8_t codes[ULB_BASE3_DIGITS][LANES]) {
+    uint16_t q[LANES];
+    for (int u = 0; u < LANES; u++) q[u] = (uint16_t)(tile[u] | 0x80u);
+    for (int j = 0; j < ULB_BASE3_DIGITS; j++)
+        for (int u = 0; u < LANES; u++) {
+            const uint16_t t = (uint16_t)(q[u] * 3u), d = (uint16_t)(t >> 8);
+            q[u] = t & 0xffu;
+            codes[j][u] = (uint8_t)(tile[u] >> 7 ? 2u - d : d);
+        }
+}
+
+void ulb_panel_base3_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ulb_acts *a, int64_t n0,
+                              int nb, float *facc, int32_t *dots) {
+    const int64_t p = tile0 / ULB_PANEL_TILES, tk = ulb_tile_k(w->bits);
+    for (int n = 0; n < nb; n++)
+        for (int r = 0; r < ntiles * ULB_TILE; r++) facc[n * ULB_PANEL_ROWS + r] = 0.0f;
+    for (int64_t g = 0; g < w->n_groups; g++) {
+        const uint8_t *base = ulb_group_base(w, p, ntiles, g);
+        const uint8_t *tiles = base + ntiles * ULB_TILE_SCALE_BYTES;
+        const int64_t ks0 = g * w->gsteps, steps = ulb_group_steps(w, g);
+        int32_t lanes[ULB_NB_MAX][ULB_PANEL_TILES][LANES];
+        memset(lanes, 0, sizeof lanes);
+        for (int64_t i = 0; i < steps; i++)
+            for (int t = 0; t < ntiles; t++) {
+                uint8_t codes[ULB_BASE3_DIGITS][LANES];
+                decode_tile(tiles + (i * ntiles + t) * ULB_TILE_BYTES, codes);
+                for (int n = 0; n < nb; n++) {
+                    const int8_t *x = a->xq + (n0 + n) * a->ldq + (ks0 + i) * tk;
+                    int16_t sum[LANES];
+                    for (int u = 0; u < LANES; u++) sum[u] = (int16_t)(codes[0][u] * x[u % 4]);
+                    for (int j = 1; j < ULB_BASE3_DIGITS; j++)
+                        for (int u = 0; u < LANES; u++) sum[u] += (int16_t)(codes[j][u] * x[4 * j + u % 4]);
+                    for (int u = 0; u < LANES; u++) lanes[n][t][u] += sum[u];
+                }
+            }
+        for (int n = 0; n < nb; n++) {
+            const int32_t xsum = a->xsum[(n0 + n) * w->n_groups + g];
+            for (int r = 0; r < ntiles * ULB_TILE; r++) {
+                const int32_t *l4 = &lanes[n][r / ULB_TILE][4 * (r % ULB_TILE)];
+                const int32_t dot = w->level_a * (l4[0] + l4[1] + l4[2] + l4[3]) + w->level_b * xsum;
+                float s;
+                memcpy(&s, base + r * 4, sizeof s);
+                facc[n * ULB_PANEL_ROWS + r] = facc[n * ULB_PANEL_ROWS + r] + s * (float)dot;
+                if (dots) dots[(n * w->n_groups + g) * ULB_PANEL_ROWS + r] = dot;
+            }
+        }
+    }
+}
