@@ -44,7 +44,11 @@ class ShardAssembler:
 
     def load(self, blob: torch.Tensor, shard: int = 0) -> None:
         """Take logical weight number `shard` from its full checkpoint blob."""
-        codes, scales = self.unpack_checked(blob)
+        self.load_codes(*self.unpack_checked(blob), shard)
+
+    def load_codes(self, codes: torch.Tensor, scales: torch.Tensor, shard: int = 0) -> None:
+        """load() of a blob unpacked already (a part of one, such as the gate
+        or the up half of an expert's merged gate_up_proj)."""
         rows = self.out_sizes[shard]
         if self.row_parallel:
             if codes.shape != (rows, self.in_features):
@@ -65,6 +69,10 @@ class ShardAssembler:
         self.codes[m0:m0 + rows] = codes
         self.scales[m0:m0 + rows] = scales
         self.loaded[shard] = True
+
+    @property
+    def complete(self) -> bool:
+        return all(self.loaded)
 
     def pack(self) -> torch.Tensor:
         missing = [i for i, ok in enumerate(self.loaded) if not ok]

@@ -11,9 +11,11 @@ lm_head keeps vLLM's weights and, with the config's bf16_gemv (default), the
 logits of one token run ulbtorch's bf16 GEMV, as nn.LinearBF16 does. On an
 accelerator Triton serves (CUDA, ROCm, XPU) the packed blob is moved there
 in the accelerator layout and run by ulb.triton_linear (ulbtorch/triton/),
-which neither syncs nor reads the blob on the host, so CUDA graphs capture it. Other
-layers left in bf16 stay vLLM's own: on CPU it repacks their weights for
-oneDNN and frees the originals, which the GEMV would need.
+which neither syncs nor reads the blob on the host, so CUDA graphs capture it.
+A mixture-of-experts layer's packed experts run UlbMoEMethod (vllm_moe.py), on
+the CPU; its router stays float. Other layers left in bf16 stay vLLM's own: on
+CPU it repacks their weights for oneDNN and frees the originals, which the
+GEMV would need.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe import GateLinear, RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -35,6 +37,7 @@ from ..formats import get_format
 from ..nn.fast_path import ACCEL_DTYPES, KERNEL_DTYPES, gemv_serves
 from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig
 from .sharding import ShardAssembler, VocabShardAssembler
+from .vllm_moe import UlbMoEMethod
 
 QUANT_METHOD = "ulb"
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -77,11 +80,9 @@ class UlbVllmConfig(QuantizationConfig):
                 return UlbLinearMethod(self.head)
             return UlbBF16HeadMethod() if self.quant.bf16_gemv else None
         if isinstance(layer, RoutedExperts):
-            # vLLM would give it its float method, find none of the checkpoint's
-            # experts.packed_* tensors, and serve uninitialised experts.
-            raise ValueError(f"ulb: {prefix} is a mixture-of-experts layer; ulbtorch's vLLM plugin serves dense "
-                             "models only (its experts are packed one layer per expert, which vLLM's fused MoE "
-                             "cannot read): run this checkpoint with transformers")
+            return self._experts_method(layer, prefix)
+        if isinstance(layer, GateLinear):
+            return UnquantizedLinearMethod()  # a router: quantize_ keeps routers float (hf_experts.router_names)
         if not isinstance(layer, LinearBase):
             return None
         if self._skipped(prefix):
@@ -90,6 +91,20 @@ class UlbVllmConfig(QuantizationConfig):
             from .vllm_norm import UlbNormedLinearMethod
             return UlbNormedLinearMethod(self.quant, self.input_norm_eps)
         return UlbLinearMethod(self.quant)
+
+    def _experts_method(self, layer, prefix: str):
+        """UlbMoEMethod for packed experts; None (vLLM's float method) where
+        modules_to_not_convert keeps the experts' weights float, as
+        transformers' 3-D expert weights <prefix>.gate_up_proj and
+        <prefix>.down_proj (quantize_ selects them by these names)."""
+        first = "gate_up_proj" if layer.moe_config.is_act_and_mul else "up_proj"
+        names = [f"{prefix}.{first}", f"{prefix}.down_proj"]
+        kept = [n for n in names if self._matches(n)]
+        if kept and len(kept) != len(names):
+            raise ValueError(f"ulb: {prefix}: modules_to_not_convert keeps {kept} float but not "
+                             f"{sorted(set(names) - set(kept))}: vLLM's fused mixture-of-experts layer holds both "
+                             "in one format")
+        return None if kept else UlbMoEMethod(self.quant, layer.moe_config)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         """modules_to_not_convert names the checkpoint's layers; vLLM calls
@@ -178,9 +193,11 @@ class UlbLinearMethod(LinearMethodBase):
         del layer.ulb_assembler
 
     def tie_weights(self, layer, embed_tokens):
-        raise ValueError(f"ulb: {getattr(layer, 'prefix', 'lm_head')} is quantized (lm_head_bits) but the model "
-                         "ties it to the input embedding (tie_word_embeddings); ulbtorch does not save such a "
-                         "checkpoint")
+        raise ValueError(f"ulb: {getattr(layer, 'prefix', 'lm_head')} is quantized (lm_head_bits) but the "
+                         "checkpoint's config ties it to the input embedding (tie_word_embeddings), and a packed "
+                         "layer has no weight to share; ulbtorch saves a quantized lm_head untied, with the float "
+                         "embedding beside it: set tie_word_embeddings to false in config.json if the checkpoint "
+                         "holds both")
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.__dict__.get("ulb_kmajor"):  # set by process_weights_after_loading
