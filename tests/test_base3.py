@@ -191,3 +191,24 @@ def test_blob_of_another_format_is_refused_by_the_layer(gen):
         layer.packed = two
     layer.packed = three
     assert layer(torch.randn(2, 40)).shape == (2, 16)
+
+
+def test_from_pretrained_save_pretrained_round_trip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from ulbtorch import UlbConfig
+
+    cfg = transformers.LlamaConfig(hidden_size=120, intermediate_size=240, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "float")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=UlbConfig(format="ternary_base3", group_size=40))
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, LinearTernary) and layer.format == "ternary_base3" and layer.group_size == 40
+    ids = torch.randint(0, 300, (1, 7))
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path / "q")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert again.model.layers[0].mlp.down_proj.format == "ternary_base3"
+    assert torch.equal(again.model.layers[1].self_attn.q_proj.packed, model.model.layers[1].self_attn.q_proj.packed)
+    assert torch.equal(again(ids).logits, logits)
