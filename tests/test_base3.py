@@ -212,3 +212,42 @@ def test_from_pretrained_save_pretrained_round_trip(tmp_path):
     assert again.model.layers[0].mlp.down_proj.format == "ternary_base3"
     assert torch.equal(again.model.layers[1].self_attn.q_proj.packed, model.model.layers[1].self_attn.q_proj.packed)
     assert torch.equal(again(ids).logits, logits)
+
+
+@pytest.mark.parametrize("linear_class", ["bitlinear", "autobitlinear"])
+def test_bitnet_checkpoint_loads_as_base3_with_the_same_logits(tmp_path, linear_class):
+    pytest.importorskip("transformers")
+    from test_importers import make_checkpoint
+    from ulbtorch.importers import load_bitnet_checkpoint
+
+    make_checkpoint(tmp_path, linear_class)
+    two = load_bitnet_checkpoint(str(tmp_path), dtype=torch.float32)
+    three = load_bitnet_checkpoint(str(tmp_path), dtype=torch.float32, format="ternary_base3")
+    layers = [m for m in three.modules() if isinstance(m, LinearTernary)]
+    assert layers and all(m.format == "ternary_base3" and m.granularity == "tensor" for m in layers)
+    assert three.config.quantization_config.format == "ternary_base3"
+    ids = torch.randint(0, 300, (1, 6))
+    assert torch.equal(two(ids).logits, three(ids).logits)
+    with pytest.raises(ValueError, match="LinearTernary's formats"):
+        load_bitnet_checkpoint(str(tmp_path), format="int2")
+
+
+def test_bitnet_from_pretrained_then_convert_to_base3_and_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from test_importers import make_checkpoint
+    from ulbtorch.importers import convert_bitnet_model
+
+    make_checkpoint(tmp_path, "autobitlinear")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    convert_bitnet_model(model, format="ternary_base3")
+    convert_bitnet_model(ref)
+    layers = [m for m in model.modules() if isinstance(m, LinearTernary)]
+    assert len(layers) == 14 and all(m.format == "ternary_base3" for m in layers)
+    ids = torch.randint(0, 300, (1, 6))
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+    model.save_pretrained(tmp_path / "converted")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float32)
+    assert again.model.layers[0].mlp.gate_proj.format == "ternary_base3"
+    before, after = model.state_dict(), again.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -154,8 +154,15 @@ def _layer_codes(weight: torch.Tensor, lin: nn.Linear, linear_class: str, wkey: 
     return codes
 
 
+def _check_format(format: str) -> str:
+    """A format of LinearTernary's ("ternary", or "ternary_base3": 1.6 bits a weight, the same values)."""
+    if format not in LinearTernary.FORMATS:
+        raise ValueError(f"format must be one of LinearTernary's formats {LinearTernary.FORMATS}, got {format!r}")
+    return format
+
+
 def _ternary_layer(tensors: _CheckpointTensors, name: str, lin: nn.Linear, linear_class: str,
-                   dtype: torch.dtype, norm_eps: float | None) -> LinearTernary:
+                   dtype: torch.dtype, norm_eps: float | None, format: str) -> LinearTernary:
     wkey, skey, nkey = name + ".weight", name + ".weight_scale", name + ".rms_norm.weight"
     if skey not in tensors:
         raise ValueError(f"{tensors.path_of[wkey]}: {wkey} has no {skey}")
@@ -170,7 +177,7 @@ def _ternary_layer(tensors: _CheckpointTensors, name: str, lin: nn.Linear, linea
     if bias is not None:
         # AutoBitLinear scales its output after adding the bias: the bias is scaled too.
         bias = _follow_dtype(bias.float() * ws.reshape(()) if linear_class == "autobitlinear" else bias, dtype)
-    layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1), format="ternary",
+    layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(lin.out_features, 1), format=format,
                                      bias=bias, granularity="tensor")
     if norm_eps is None:
         return layer
@@ -181,12 +188,15 @@ def _ternary_layer(tensors: _CheckpointTensors, name: str, lin: nn.Linear, linea
 
 
 def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat16,
-                           bf16_gemv: bool = True) -> nn.Module:
+                           bf16_gemv: bool = True, format: str = "ternary") -> nn.Module:
     """Load an HF BitNet checkpoint directory into a transformers model whose
     quantised linears are LinearTernary (per-tensor scale), with no download
-    and no re-quantisation. Float tensors, biases included, are cast to dtype."""
+    and no re-quantisation. Float tensors, biases included, are cast to dtype.
+    format: "ternary" (2 bits a weight) or "ternary_base3" (1.6 bits, the same
+    weights and outputs; docs/formats.md)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    format = _check_format(format)
     directory = str(directory)
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
@@ -224,7 +234,7 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
         if missing_layers:
             raise ValueError(f"{directory}: no packed weight for layers {missing_layers[:5]}")
         for name, lin in targets.items():
-            replace_module(model, name, _ternary_layer(tensors, name, lin, linear_class, dtype, norm_eps))
+            replace_module(model, name, _ternary_layer(tensors, name, lin, linear_class, dtype, norm_eps, format))
         owned = {f"{n}.{k}" for n in targets for k in ("weight", "weight_scale", "bias", "rms_norm.weight")}
         dense = {k: _follow_dtype(tensors[k], dtype) for k in tensors if k not in owned}
     model.load_state_dict(dense, strict=False, assign=True)
@@ -235,7 +245,7 @@ def load_bitnet_checkpoint(directory: str, *, dtype: torch.dtype = torch.bfloat1
         raise ValueError(f"{directory}: checkpoint lacks tensors {still_meta[:5]}")
     # as quantize_: the bf16 layers left (lm_head) on the one-token bf16 GEMV
     finish_conversion(model, bf16_gemv=bf16_gemv, hugepages=False)
-    _record_config(model, bf16_gemv)
+    _record_config(model, bf16_gemv, format)
     return model.eval()
 
 
@@ -248,25 +258,26 @@ def _norm_eps(qc: dict, where: str) -> float | None:
     return check_eps(eps, f"{where}: key 'quantization_config.rms_norm_eps'")
 
 
-def _record_config(model: nn.Module, bf16_gemv: bool) -> None:
+def _record_config(model: nn.Module, bf16_gemv: bool, format: str) -> None:
     """ulbtorch's own config, so that save_pretrained writes a checkpoint
     from_pretrained loads packed (with the layers' input norms, as
     UlbConfig's input_norm_eps, where they have them)."""
-    run_conversion_hooks(model, QuantConfig(format="ternary", granularity="tensor",
+    run_conversion_hooks(model, QuantConfig(format=format, granularity="tensor",
                                             exclude=[n for n, _ in linear_layers(model, lambda n: True)],
                                             bf16_gemv=bf16_gemv))
 
 
-def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Module:
+def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True, format: str = "ternary") -> nn.Module:
     """After transformers' own `from_pretrained` of a BitNet checkpoint: swap
     its BitLinear / AutoBitLinear layers for LinearTernary (NormedLinearTernary
     where they hold an RMSNorm, use_rms_norm), in place. The model's
     quantization config becomes ulbtorch's (with input_norm_eps where the
     layers hold norms), so save_pretrained and from_pretrained keep working.
     bf16_gemv as in quantize_ (and recorded in that config, so a reload gets
-    the same layers)."""
+    the same layers); format as in load_bitnet_checkpoint."""
     from transformers.integrations.bitnet import AutoBitLinear, BitLinear
 
+    format = _check_format(format)
     built = []
     for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, (BitLinear, AutoBitLinear))]:
         ws = m.weight_scale.detach().float().reshape(-1)
@@ -283,7 +294,7 @@ def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Modu
             if bias is not None:  # its forward scales the output after adding the bias
                 bias = (bias.detach().float() * ws.reshape(())).to(bias.dtype)
         out_features = codes.shape[0]
-        layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(out_features, 1), format="ternary",
+        layer = LinearTernary.from_codes(codes, scale.reshape(1, 1).expand(out_features, 1), format=format,
                                          bias=bias, granularity="tensor")
         norm = getattr(m, "rms_norm", None)
         if norm is not None:
@@ -303,7 +314,7 @@ def convert_bitnet_model(model: nn.Module, *, bf16_gemv: bool = True) -> nn.Modu
         from ..integrations.transformers import UlbConfig, UlbHfQuantizer
 
         skip = getattr(config.quantization_config, "modules_to_not_convert", None) or ["lm_head"]
-        ulb = UlbConfig(format="ternary", granularity="tensor", modules_to_not_convert=list(skip),
+        ulb = UlbConfig(format=format, granularity="tensor", modules_to_not_convert=list(skip),
                         bf16_gemv=bf16_gemv, input_norm_eps=eps[0] if eps else None)
         config.quantization_config = ulb
         model.hf_quantizer = UlbHfQuantizer(ulb, pre_quantized=True)
