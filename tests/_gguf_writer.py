@@ -44,6 +44,17 @@ def q1_0_dequantize(blocks: np.ndarray) -> np.ndarray:
     return out.reshape(blocks.shape[0], -1)
 
 
+def q2_0_dequantize(blocks: np.ndarray) -> np.ndarray:
+    """ggml's dequantize_row_q2_0, element by element: q from bits 2(j%4) of qs[j/4], value (q - 1) d."""
+    b = blocks.reshape(-1, 18)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32).reshape(-1)
+    out = np.empty((b.shape[0], 64), np.float32)
+    for j in range(64):
+        q = (b[:, 2 + j // 4] >> (2 * (j % 4))) & 3
+        out[:, j] = (q.astype(np.int32) - 1).astype(np.float32) * d
+    return out.reshape(blocks.shape[0], -1)
+
+
 def i2_s_bytes(t: np.ndarray, scale: float) -> np.ndarray:
     """bitnet.cpp's I2_S of ternary values t (x86 layout): 128-value blocks
     of 32 bytes, value 32*j + i in byte i at bits 6-2j, code t+1; then the

@@ -63,6 +63,23 @@ def test_blocks_dequantize_as_gguf_py_does(ttype):
     assert np.array_equal(bits(layer.dequantize()), bits(gguf.quants.dequantize(raw, ttype)))
 
 
+def test_q2_0_blocks_follow_ggml():
+    """gguf-py 0.19 has no Q2_0 (ggml type 42): int2 with the scale negated
+    holds its values, the same numbers (ggml's zeros are +0.0, ours -0.0
+    where d > 0), and encode writes the same bytes back."""
+    from ulbtorch.importers.gguf_blocks import Q2_0, encode
+
+    rows, K = 5, 192
+    raw = random_blocks(Q2_0, rows, K)
+    d = decode(Q2_0, raw, rows, K)
+    assert (d.format, d.group_size) == ("int2", 64)
+    ours, ggml = ops.dequantize(d.codes, d.scales, "int2", 64), torch.from_numpy(gw.q2_0_dequantize(raw))
+    assert torch.equal(ours, ggml)
+    nonzero = ggml != 0
+    assert np.array_equal(bits(ours[nonzero]), bits(ggml[nonzero])) and (~nonzero).any()
+    assert np.array_equal(encode(d.codes, d.scales.half(), "int2"), raw)
+
+
 def test_q1_0_and_i2_s_blocks_follow_ggml():
     rows, K = 4, 384
     raw = random_blocks(T.Q1_0, rows, K)

@@ -1,5 +1,5 @@
 """save_gguf's files run in llama.cpp itself: a tiny llama quantised by
-ulbtorch to each format save_gguf writes (Q1_0, TQ2_0, Q4_0, Q8_0) is
+ulbtorch to each format save_gguf writes (Q1_0, Q2_0, TQ2_0, Q4_0, Q8_0) is
 written with its tokenizer, llama.cpp's llama-simple continues prompts
 greedily from it, and ulbtorch, running the same file (load_gguf), must pick
 the same tokens, or differ first at a tie: two tokens whose logits, with
@@ -31,7 +31,8 @@ import ulbtorch  # noqa: E402
 from ulbtorch.nn import LowBitLinear, replace_module  # noqa: E402
 
 # format, group size: what save_gguf writes as each type
-CASES = {"Q1_0": ("binary", 128), "TQ2_0": ("ternary", 256), "Q4_0": ("int4", 32), "Q8_0": ("int8", 32)}
+CASES = {"Q1_0": ("binary", 128), "Q2_0": ("int2", 64), "TQ2_0": ("ternary", 256), "Q4_0": ("int4", 32),
+         "Q8_0": ("int8", 32)}
 PROMPTS = ["hello, hell", "The quick brown", "0123", "GGUF blocks", "zzz", "a b c d"]
 NEW_TOKENS = 12
 # A vocabulary whose printed tokens read back as their ids: BOS, EOS, the 256 bytes (byte-level BPE) and the
@@ -117,8 +118,9 @@ def test_llama_cpp_continues_as_ulbtorch_does(tmp_path, float_gguf, ttype):
     # quantize_'s scales become fp16; transformers' <|endoftext|>, past the embedding, is not written
     said = " ".join(str(w.message) for w in caught)
     assert "rounded to fp16" in said and "['<|endoftext|>'] (ids 259 on) are beyond" in said, said
-    import gguf
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    from ulbtorch.importers.gguf_blocks import type_name
+    from ulbtorch.importers.gguf_file import GGUFFile
+    types = {t.name: type_name(t.type) for t in GGUFFile(path).tensors.values()}
     assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == ttype
 
     ours = ulbtorch.load_gguf(path, dtype=torch.float32)  # the file's weights, in ulbtorch's layers

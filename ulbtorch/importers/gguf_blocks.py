@@ -3,7 +3,7 @@
 Each ggml type below whose values are an integer level times a block scale
 is held exactly by one of our formats: decode() gives the codes and fp32
 scales whose ops.dequantize() equals gguf-py's dequantisation (ggml's rule
-for Q1_0 and I2_S, which gguf-py cannot dequantise) bit for bit. The fp16
+for Q1_0, Q2_0 and I2_S, which gguf-py cannot dequantise) bit for bit. The fp16
 block scales are exact in fp32, and where a K-quant multiplies an fp16
 super-block scale by a small integer sub-scale, that product is exact in
 fp32 too, so the product with the level is rounded once, as ggml rounds it.
@@ -11,6 +11,7 @@ fp32 too, so the product with the level is rounded once, as ggml rounds it.
   Q1_0     128  {-d, +d}                   binary, groups of 128
   TQ1_0    256  {-1, 0, 1} d, base-3        ternary, groups of 256
   TQ2_0    256  {-1, 0, 1} d, 2 bits        ternary, groups of 256
+  Q2_0      64  (q - 1) d, q in 0..3        int2 (levels -2..1) times -d, groups of 64
   I2_S     all  {-1, 0, 1} s, one fp32 s    ternary, one scale per tensor (bitnet.cpp)
   Q4_0      32  (q - 8) d                   int4, groups of 32
   Q3_K     256  q d sc, q in -4..3          int4, groups of 16
@@ -29,6 +30,11 @@ codes 0, 1, 2 for -1, 0, +1 (3 reads as 0, as its dequantize_row_i2_s has
 it), then one fp32 scale for the whole tensor, padded to 32 bytes. That is
 the layout its x86 converter writes (QK_I2_S = 128); nothing in a file says
 which layout it holds.
+
+Q2_0 is ggml's type 42 (gguf-py 0.19 has no such type): 64-value blocks,
+an fp16 d, then value j in bits 2(j%4)..2(j%4)+1 of byte j/4. Its levels
+-1..2 are int2's -2..1 negated, so code 3 - q with the scale -d gives each
+value exactly (a zero level as -0.0 where ggml's is +0.0: equal values).
 """
 from __future__ import annotations
 
@@ -39,23 +45,25 @@ import torch
 
 # ggml's type numbers (ggml.h; I2_S is bitnet.cpp's), written out so that an older gguf-py without Q1_0 reads
 # the same table.
-F32, F16, Q4_0, Q5_0, Q8_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS, BF16, TQ1_0, TQ2_0, I2_S, Q1_0 = (
-    0, 1, 2, 6, 8, 11, 14, 20, 23, 30, 34, 35, 36, 41)
+F32, F16, Q4_0, Q5_0, Q8_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS, BF16, TQ1_0, TQ2_0, I2_S, Q1_0, Q2_0 = (
+    0, 1, 2, 6, 8, 11, 14, 20, 23, 30, 34, 35, 36, 41, 42)
 NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q3_K: "Q3_K", Q6_K: "Q6_K",
-         IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", BF16: "BF16", TQ1_0: "TQ1_0", TQ2_0: "TQ2_0", I2_S: "I2_S", Q1_0: "Q1_0"}
+         IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", BF16: "BF16", TQ1_0: "TQ1_0", TQ2_0: "TQ2_0", I2_S: "I2_S", Q1_0: "Q1_0",
+         Q2_0: "Q2_0"}
 # (values, bytes) of a block of the types decoded here; gguf-py's table gives the others'
 BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q3_K: (256, 110),
           Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136), TQ1_0: (256, 54), TQ2_0: (256, 66),
-          Q1_0: (128, 18)}
+          Q1_0: (128, 18), Q2_0: (64, 18)}
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 # Each block of these types as (format, values per scale); I2_S has one scale per tensor.
-DECODED_AS = {Q1_0: ("binary", 128), TQ1_0: ("ternary", 256), TQ2_0: ("ternary", 256), I2_S: ("ternary", None),
+DECODED_AS = {Q1_0: ("binary", 128), Q2_0: ("int2", 64), TQ1_0: ("ternary", 256), TQ2_0: ("ternary", 256), I2_S: ("ternary", None),
               Q4_0: ("int4", 32), Q3_K: ("int4", 16), Q5_0: ("int8", 32), Q8_0: ("int8", 32), Q6_K: ("int8", 16),
               IQ4_NL: ("int8", 32), IQ4_XS: ("int8", 32)}
 # What save_gguf writes for each format: the type and its values per scale.
-ENCODED_AS = {"binary": (Q1_0, 128), "ternary": (TQ2_0, 256), "int4": (Q4_0, 32), "int8": (Q8_0, 32)}
+ENCODED_AS = {"binary": (Q1_0, 128), "int2": (Q2_0, 64), "ternary": (TQ2_0, 256), "int4": (Q4_0, 32),
+              "int8": (Q8_0, 32)}
 
 
 def type_name(ttype: int) -> str:
@@ -123,6 +131,12 @@ def _bits(byte_values: torch.Tensor, shifts, width: int) -> torch.Tensor:
 def _q1_0(b):
     d, qs = _f16(b[..., :2]), b[..., 2:]
     return _bits(qs, range(8), 1).transpose(-1, -2).reshape(*b.shape[:2], 128), d
+
+
+def _q2_0(b):
+    d, qs = _f16(b[..., :2]), b[..., 2:]
+    q = _bits(qs, (0, 2, 4, 6), 2).transpose(-1, -2).reshape(*b.shape[:2], 64)
+    return 3 - q, -d  # int2's code and scale of the level q - 1
 
 
 def _tq1_0(b):
@@ -194,7 +208,7 @@ def _iq4_xs(b):
     return _IQ4[q.long()].to(torch.uint8), d.unsqueeze(-1) * sub.float()
 
 
-_DECODERS = {Q1_0: _q1_0, TQ1_0: _tq1_0, TQ2_0: _tq2_0, Q4_0: _q4_0, Q5_0: _q5_0, Q8_0: _q8_0, Q3_K: _q3_k,
+_DECODERS = {Q1_0: _q1_0, Q2_0: _q2_0, TQ1_0: _tq1_0, TQ2_0: _tq2_0, Q4_0: _q4_0, Q5_0: _q5_0, Q8_0: _q8_0, Q3_K: _q3_k,
              Q6_K: _q6_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
 
 
@@ -249,6 +263,9 @@ def encode(codes: torch.Tensor, scales16: torch.Tensor, fmt: str) -> np.ndarray:
     if fmt == "binary":
         qs = (c.reshape(M, -1, 16, 8).to(torch.int32) * weights(8, 1)).sum(-1)
         body = [d, qs.to(torch.uint8)]
+    elif fmt == "int2":  # level c - 2 times s is (q - 1) times -s for q = 3 - c
+        qs = ((3 - c.reshape(M, -1, 16, 4).to(torch.int32)) * weights(4, 2)).sum(-1)
+        body = [(-scales16).reshape(M, K // per, 1).contiguous().view(torch.uint8), qs.to(torch.uint8)]
     elif fmt == "ternary":
         qs = (c.reshape(M, -1, 2, 4, 32).to(torch.int32) * weights(4, 2).reshape(4, 1)).sum(-2)
         body = [qs.reshape(M, -1, 64).to(torch.uint8), d]

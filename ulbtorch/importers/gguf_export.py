@@ -3,6 +3,7 @@ llama.cpp, its packed layers written as the GGUF blocks that hold them:
 
   binary  -> Q1_0 (128 values a block)    ternary -> TQ2_0 (256)
   int4    -> Q4_0 (32)                    int8    -> Q8_0 (32)
+  int2    -> Q2_0 (64; the scale negated: gguf_blocks)
 
 A layer's group size must be a multiple of the block's (or 0: one scale per
 row, or "tensor"), so that each block gets the scale of its group; the fp32
@@ -24,12 +25,12 @@ from torch import nn
 from .._atomic import staging
 from ..nn import LowBitLinear
 from .gguf import row_order
-from .gguf_blocks import ENCODED_AS, encode
+from .gguf_blocks import ENCODED_AS, block_shape, encode
 
 # transformers model_type -> the llama.cpp architecture written (mistral is llama to llama.cpp)
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # llama_ftype of the main weight type, for general.file_type
-FILE_TYPES = {"binary": 40, "ternary": 37, "int4": 2, "int8": 7}
+FILE_TYPES = {"binary": 40, "int2": 41, "ternary": 37, "int4": 2, "int8": 7}
 FLOAT_GGUF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 FLOAT_KEYS = {"rope.freq_base", "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"}
 
@@ -193,7 +194,7 @@ def _plan(model: nn.Module, arch: str, processor) -> list[tuple]:
             if t is module:
                 shape = (module.out_features, module.in_features)
                 ttype, per = ENCODED_AS[module.format]
-                nbytes = shape[0] * shape[1] // per * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)][1]
+                nbytes = shape[0] * shape[1] // per * block_shape(ttype)[1]
             else:
                 shape = tuple(t.shape)
                 ttype = 0 if t.dim() == 1 or t.dtype not in FLOAT_GGUF else FLOAT_GGUF[t.dtype]
@@ -211,7 +212,7 @@ def _vocab_rows(model: nn.Module) -> int:
 def save_gguf(model: nn.Module, path, *, tokenizer=None, tokenizer_pre: str = "default") -> None:
     """Write a transformers model of a llama, mistral, qwen2 or qwen3 config
     whose linear layers ulbtorch quantised (the others float) as a GGUF
-    file: binary -> Q1_0, ternary -> TQ2_0, int4 -> Q4_0, int8 -> Q8_0, float
+    file: binary -> Q1_0, int2 -> Q2_0, ternary -> TQ2_0, int4 -> Q4_0, int8 -> Q8_0, float
     2-D tensors in their dtype (F32, F16, BF16), 1-D ones in F32. Another
     format, or a group size that is not a multiple of the GGUF block, is an
     error naming the layer. tokenizer: a transformers BPE tokenizer to write
@@ -244,7 +245,7 @@ def save_gguf(model: nn.Module, path, *, tokenizer=None, tokenizer_pre: str = "d
         for gname, ttype, shape, nbytes, _ in plan:
             # (a dtype other than uint8 keeps gguf-py from reading the shape as a byte shape)
             writer.add_tensor_info(gname, shape, np.dtype(np.float32), nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType(ttype))
+                                   raw_dtype=ttype)  # a number: gguf-py 0.19 has no Q2_0
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
