@@ -286,3 +286,13 @@ def test_vllm_runs_each_shards_norm(monkeypatch):
     with pytest.raises(ValueError, match="splits its input over tensor-parallel ranks, but its layers' input "
                                          "RMSNorms .* tensor_parallel_size=1"):
         method.create_weights(torch.nn.Module(), K // 2, [64], K, 64, torch.float32)
+
+
+def test_save_gguf_refuses_the_norms_by_name(tmp_path):
+    import ulbtorch
+
+    falcon_e_checkpoint(tmp_path / "src")
+    with pytest.raises(ValueError, match=r"save_gguf: layer 'model\.layers\.0\.self_attn\.q_proj' holds its own input "
+                                         "RMSNorm .* save_pretrained or ulbtorch.save_quantized"):
+        ulbtorch.save_gguf(load_bitnet_checkpoint(str(tmp_path / "src")), tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()

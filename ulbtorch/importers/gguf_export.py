@@ -24,6 +24,7 @@ from torch import nn
 
 from .._atomic import staging
 from ..nn import LowBitLinear
+from .bitnet_norm import input_norm_eps
 from .gguf import row_order
 from .gguf_blocks import ENCODED_AS, block_shape, encode
 
@@ -116,6 +117,10 @@ class _Scales:
 
 
 def _check_layer(name: str, layer: LowBitLinear) -> None:
+    if input_norm_eps(layer) is not None:
+        raise ValueError(f"save_gguf: layer {name!r} holds its own input RMSNorm (BitNet's use_rms_norm, as "
+                         "Falcon-E has it), for which the layouts save_gguf writes have no tensor; save the model with "
+                         "save_pretrained or ulbtorch.save_quantized, which keep the norms")
     if layer.format not in ENCODED_AS:
         raise ValueError(f"save_gguf: layer {name!r} is {layer.format}, which no GGUF type holds; GGUF types are "
                          f"written for {', '.join(ENCODED_AS)}")
