@@ -53,13 +53,14 @@ _lib.ulb_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, cty
                             ctypes.c_int, ctypes.c_int64, ctypes.c_int]
 
 
-def measure(M: int, K: int, threads: int, streams: int, reps: int) -> str:
+def measure(M: int, K: int, threads: int, streams: int, reps: int, rotate_mib: float) -> str:
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 4, (M, K), dtype=torch.uint8, generator=gen)
     blob = ulbtorch.ops.pack(codes, torch.rand(M, 1, generator=gen) * 0.02 + 0.01, "int2_sym", 0)
     x = torch.randn(1, K, dtype=torch.bfloat16, generator=gen)
     y = torch.empty(1, M, dtype=torch.bfloat16)
-    blobs = common.replicate([blob], common.cold_rotation(blob.numel()))
+    rotate = int(rotate_mib * common.MiB)
+    blobs = common.replicate([blob], common.cold_rotation(blob.numel(), rotate, min(rotate, 256 * common.MiB)))
     ptrs = [b.data_ptr() for b in blobs]
     nbytes, xp, yp = blob.numel(), x.data_ptr(), y.data_ptr()
     op = torch.ops.ulb.linear.default
@@ -117,17 +118,21 @@ def main() -> None:
     p.add_argument("--shapes", default="640x2560,1024x2048,2048x2048,4096x4096", help="MxK list")
     p.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     p.add_argument("--reps", type=int, default=15, help="rounds of samples (default 15)")
+    p.add_argument("--rotate-mib", type=float, default=common.COLD_MIB,
+                   help="MiB of distinct blobs and of the bandwidth probe's buffer (default: cold, past the L3; "
+                        "a small value only checks that the script runs)")
     args = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in common.parse_list(args.shapes)]
     threads = common.parse_list(args.threads, int)
     common.print_environment()
-    bw = common.measure_read_bandwidth(threads, methods=["probe", "probe.x4"], verbose=True)
+    bw = common.measure_read_bandwidth(threads, size_bytes=int(args.rotate_mib * common.MiB),
+                                       methods=["probe", "probe.x4"], verbose=True)
     print("shape       thr  us op  us eager  us C (ctypes)  us probe  us module  us nn.Module  op/probe  eager/probe"
           "  C/probe  module call speed-up  op region  probe region  op outside  eager outside  probe outside")
     for M, K in shapes:
         for n in threads:
             with common.num_threads(n):
-                print(measure(M, K, n, bw[n]["probe_streams"], args.reps), flush=True)
+                print(measure(M, K, n, bw[n]["probe_streams"], args.reps, args.rotate_mib), flush=True)
 
 
 if __name__ == "__main__":

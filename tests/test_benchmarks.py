@@ -29,7 +29,8 @@ RUNS = {
     "gemv": (["gemv.py", "--quick", "--threads", "1,2", "--shapes", "{shapes}"], "GEMV cold int2_sym 2 thr"),
     "roofline": (["roofline.py", "--quick", "--formats", "int2_sym,binary", "--shapes", "{shapes}"], "cold median"),
     "scheduler": (["scheduler.py", "--quick"], "Static equal split vs dynamic split"),
-    "op_overhead": (["op_overhead.py", "--shapes", "512x512", "--threads", "2", "--reps", "2"], "512x512"),
+    "op_overhead": (["op_overhead.py", "--shapes", "512x512", "--threads", "2", "--reps", "2", "--rotate-mib", "32"],
+                    "512x512"),
     "decode": (["decode.py", "--quick", "--shapes", "{shapes}"], "tok/s"),
     # one MoE run for both the profile and the experts' A/B (each run builds the model again)
     "decode_moe": (["decode.py", "--quick", "--config", "olmoe-1b-7b", "--vocab-size", "1000", "--tokens", "2",
