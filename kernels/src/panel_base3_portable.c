@@ -6,22 +6,30 @@
  * multiply (q = byte | 0x80; digit = q * 3 >> 8, then q = q * 3 mod 256),
  * 64 lanes at a time in 16-bit arithmetic, then every token's lanes take
  * digit j times the four activations of k-quad j (lane 4l + b: column 4j + b
- * of row l, layout.h), as the bit-field portable kernel does with fields. */
+ * of row l, layout.h), as the bit-field portable kernel does with fields,
+ * eight lanes at a time against an 8-lane copy of the activations. */
 #include <string.h>
 
 #include "internal.h"
 
 #define LANES ULB_TILE_BYTES
+#define PAT 8
 
-/* codes[j][u]: digit j of byte u of the tile. */
+/* codes[j][u]: digit j of byte u of the tile, with no branch (so that the
+ * loops vectorise): d, or 2 - d = d + (2 - 2d) where the sign bit is set. */
 static inline void decode_tile(const uint8_t *tile, uint8_t codes[ULB_BASE3_DIGITS][LANES]) {
     uint16_t q[LANES];
-    for (int u = 0; u < LANES; u++) q[u] = (uint16_t)(tile[u] | 0x80u);
+    uint8_t neg[LANES];
+    for (int u = 0; u < LANES; u++) {
+        q[u] = (uint16_t)(tile[u] | 0x80u);
+        neg[u] = (uint8_t)(0u - (unsigned)(tile[u] >> 7));
+    }
     for (int j = 0; j < ULB_BASE3_DIGITS; j++)
         for (int u = 0; u < LANES; u++) {
-            const uint16_t t = (uint16_t)(q[u] * 3u), d = (uint16_t)(t >> 8);
+            const uint16_t t = (uint16_t)(q[u] * 3u);
+            const uint8_t d = (uint8_t)(t >> 8);
             q[u] = t & 0xffu;
-            codes[j][u] = (uint8_t)(tile[u] >> 7 ? 2u - d : d);
+            codes[j][u] = (uint8_t)(d + (neg[u] & (uint8_t)(2u - 2u * d)));
         }
 }
 
@@ -36,19 +44,27 @@ void ulb_panel_base3_portable(const ulb_weight *w, int64_t tile0, int ntiles, co
         const int64_t ks0 = g * w->gsteps, steps = ulb_group_steps(w, g);
         int32_t lanes[ULB_NB_MAX][ULB_PANEL_TILES][LANES];
         memset(lanes, 0, sizeof lanes);
-        for (int64_t i = 0; i < steps; i++)
+        for (int64_t i = 0; i < steps; i++) {
+            /* digit j's four activations, twice: the pattern of 8 lanes (two rows) */
+            int16_t xrep[ULB_NB_MAX][ULB_BASE3_DIGITS][PAT];
+            for (int n = 0; n < nb; n++) {
+                const int8_t *x = a->xq + (n0 + n) * a->ldq + (ks0 + i) * tk;
+                for (int j = 0; j < ULB_BASE3_DIGITS; j++)
+                    for (int u = 0; u < PAT; u++) xrep[n][j][u] = x[4 * j + u % 4];
+            }
             for (int t = 0; t < ntiles; t++) {
                 uint8_t codes[ULB_BASE3_DIGITS][LANES];
                 decode_tile(tiles + (i * ntiles + t) * ULB_TILE_BYTES, codes);
-                for (int n = 0; n < nb; n++) {
-                    const int8_t *x = a->xq + (n0 + n) * a->ldq + (ks0 + i) * tk;
-                    int16_t sum[LANES];
-                    for (int u = 0; u < LANES; u++) sum[u] = (int16_t)(codes[0][u] * x[u % 4]);
-                    for (int j = 1; j < ULB_BASE3_DIGITS; j++)
-                        for (int u = 0; u < LANES; u++) sum[u] += (int16_t)(codes[j][u] * x[4 * j + u % 4]);
-                    for (int u = 0; u < LANES; u++) lanes[n][t][u] += sum[u];
-                }
+                for (int n = 0; n < nb; n++)
+                    for (int q0 = 0; q0 < LANES; q0 += PAT) {
+                        int16_t sum[PAT];
+                        for (int u = 0; u < PAT; u++) sum[u] = (int16_t)(codes[0][q0 + u] * xrep[n][0][u]);
+                        for (int j = 1; j < ULB_BASE3_DIGITS; j++)
+                            for (int u = 0; u < PAT; u++) sum[u] += (int16_t)(codes[j][q0 + u] * xrep[n][j][u]);
+                        for (int u = 0; u < PAT; u++) lanes[n][t][q0 + u] += sum[u];
+                    }
             }
+        }
         for (int n = 0; n < nb; n++) {
             const int32_t xsum = a->xsum[(n0 + n) * w->n_groups + g];
             for (int r = 0; r < ntiles * ULB_TILE; r++) {
