@@ -4,6 +4,8 @@ the 2-bit ternary format holding the same codes and scales (integer sums and
 outputs bit for bit, every ISA), and bad input. The grid of tests/test_kernels.py
 checks every kernel against the scalar reference on odd shapes as for every
 format."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -251,3 +253,36 @@ def test_bitnet_from_pretrained_then_convert_to_base3_and_save_pretrained(tmp_pa
     assert again.model.layers[0].mlp.gate_proj.format == "ternary_base3"
     before, after = model.state_dict(), again.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_vllm_serves_base3_on_the_cpu_and_refuses_an_accelerator():
+    """The vLLM method on a base-3 blob: apply computes what ulb.linear does
+    on the CPU; on a device Triton serves (the CPU standing in) the load is
+    refused by name, as base 3 has no accelerator layout."""
+    import types
+
+    pytest.importorskip("vllm")
+    from ulbtorch import triton as accel
+    from ulbtorch.integrations.vllm import UlbLinearMethod
+    from ulbtorch.quantize import QuantConfig
+
+    g = torch.Generator().manual_seed(0)
+    M, K = 70, 100
+    blob = ops.pack(torch.randint(0, 3, (M, K), generator=g, dtype=torch.uint8), torch.rand(M, 1, generator=g) + 0.1,
+                    "ternary_base3")
+
+    def layer():
+        m = torch.nn.Module()
+        m.packed = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        m.ulb_out_features = M
+        m.ulb_assembler = types.SimpleNamespace(pack=lambda: blob.clone())
+        return m
+
+    method = UlbLinearMethod(QuantConfig(format="ternary_base3"))
+    cpu = layer()
+    method.process_weights_after_loading(cpu)
+    x = torch.randn(3, K, generator=g).to(torch.bfloat16)
+    assert torch.equal(method.apply(cpu, x), ops.linear(x, blob, None, M))
+    if importlib.util.find_spec("triton") and accel.interpreting():
+        with accel.emulate_on_cpu(), pytest.raises(ValueError, match="ternary_base3, which has no accelerator"):
+            method.process_weights_after_loading(layer())

@@ -179,6 +179,11 @@ class UlbLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         blob = layer.ulb_assembler.pack()
         device = layer.packed.device  # where vLLM built the layer
+        fmt = get_format(ops.packed_info(blob)["format"])
+        if accel.serves(device) and "kmajor" not in fmt.tiles:
+            raise ValueError(f"ulb: {getattr(layer, 'prefix', type(layer).__name__)} is {fmt.name}, which has no "
+                             f"accelerator kernels (no kmajor layout) for {device}: serve it on the CPU, or save "
+                             "the model as 'ternary' (the same weights at 2 bits)")
         layer.ulb_kmajor = accel.serves(device)
         if layer.ulb_kmajor:
             accel.load()
