@@ -44,9 +44,9 @@ PROMPT = [1, 5, 7, 9]
 
 def config():
     if head == "moe":
-        # moe_intermediate_size 128 splits at TP=2 into 64 columns of down_proj, one group of 64; weights
-        # 5x transformers' default scale, so that the logits of a random model are far enough apart that
-        # greedy decoding has few near-ties
+        # moe_intermediate_size 128 splits at TP=2 into 64 columns of down_proj, one group of 64. Weights 5x
+        # transformers' default scale: at the default the layers add little to the residual stream beside
+        # the embedding, so the tokens say little about them, and the logits are close to ties.
         return Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, vocab_size=500, max_position_embeddings=512,

@@ -204,6 +204,30 @@ def _loaded_experts(blobs, tp_rank=0, tp_size=1, local=None):
     return method, layer
 
 
+def test_experts_it_cannot_serve_are_refused():
+    """Biases, a clamped activation and router weights on the inputs would
+    be dropped silently by the packed experts' forward."""
+    import types
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from ulbtorch.integrations.vllm_moe import UlbMoEMethod
+    from ulbtorch.quantize import QuantConfig
+    for change, why in ((dict(has_bias=True), "its experts have biases"),
+                        (dict(activation=MoEActivation.SWIGLUOAI), "its activation is swigluoai"),
+                        (dict(apply_router_weight_on_input=True), "apply_router_weight_on_input"),
+                        (dict(swiglu_limit=7.0), r"clamped \(swiglu_limit")):
+        moe = types.SimpleNamespace(tp_rank=0, tp_size=1, is_act_and_mul=True, has_bias=change.get("has_bias", False),
+                                    hidden_dim_unpadded=H, intermediate_size_per_partition_unpadded=INTER)
+        layer = torch.nn.Module()
+        layer.layer_name, layer.activation = "model.layers.0.mlp.experts", change.get("activation", MoEActivation.SILU)
+        layer.apply_router_weight_on_input = change.get("apply_router_weight_on_input", False)
+        layer.swiglu_limit = change.get("swiglu_limit")
+        with pytest.raises(ValueError, match=r"ulb: model.layers.0.mlp.experts: .*" + why):
+            UlbMoEMethod(QuantConfig(bits=2), moe).create_weights(layer, E, H, INTER, torch.bfloat16)
+
+
 def _routing(tokens):
     import torch
     g = torch.Generator().manual_seed(tokens)
