@@ -53,7 +53,8 @@ import ulbtorch  # noqa: E402
 
 # Our format -> (quantize_ keywords, the llama.cpp types holding the same kind of weights)
 FORMATS = {
-    "ternary": (dict(format="ternary", method="absmax"), ["TQ2_0", "TQ1_0"]),
+    "ternary": (dict(format="ternary", method="absmax"), ["TQ2_0"]),
+    "ternary_base3": (dict(format="ternary_base3", method="absmax"), ["TQ1_0"]),
     "int4": (dict(format="int4", group_size=32, method="absmax"), ["Q4_0"]),
     "int8": (dict(format="int8", group_size=32, method="absmax"), ["Q8_0"]),
 }
@@ -298,15 +299,20 @@ def main(argv=None):
                 path = os.path.join(root, f"save_gguf-{fmt}-out_{HEADS[head][1]}.gguf")
                 with warnings.catch_warnings():  # the bf16 head's fp32 scales rounded to the blocks' fp16
                     warnings.simplefilter("ignore")
-                    cached(path, lambda p, m=qm: ulbtorch.save_gguf(m, p), "ulbtorch.save_gguf of ours")
-                qtype = llamacpp.tensor_types(path)["blk.0.ffn_up.weight"]
-                peers.insert(0, dict(name=f"llama.cpp {qtype}", source="save_gguf (our weights)", path=path))
-                twin = next((f["path"] for f in peer_files.get((fmt, head), []) if f["name"] == f"llama.cpp {qtype}"),
-                            None)
-                if twin:  # the token embedding differs by design: llama-quantize quantizes it, save_gguf not
-                    differ = llamacpp.differing_tensors(path, twin)
-                    same_weights.append(f"{os.path.basename(path)} against llama-quantize's {os.path.basename(twin)}: "
-                                        f"{len(differ)} tensors differ ({', '.join(differ) or 'none'})")
+                    try:
+                        cached(path, lambda p, m=qm: ulbtorch.save_gguf(m, p), "ulbtorch.save_gguf of ours")
+                    except ValueError as e:  # a format no GGUF type holds
+                        skipped.append(f"save_gguf of {fmt} + {head} head: {e}")
+                if os.path.exists(path):
+                    qtype = llamacpp.tensor_types(path)["blk.0.ffn_up.weight"]
+                    peers.insert(0, dict(name=f"llama.cpp {qtype}", source="save_gguf (our weights)", path=path))
+                    twin = next((f["path"] for f in peer_files.get((fmt, head), [])
+                                 if f["name"] == f"llama.cpp {qtype}"), None)
+                    if twin:  # the token embedding differs by design: llama-quantize quantizes it, save_gguf not
+                        differ = llamacpp.differing_tensors(path, twin)
+                        same_weights.append(f"{os.path.basename(path)} against llama-quantize's "
+                                            f"{os.path.basename(twin)}: {len(differ)} tensors differ "
+                                            f"({', '.join(differ) or 'none'})")
             if args.prepare_only:
                 del qm
                 gc.collect()

@@ -30,18 +30,19 @@ def test_tiny_run_has_rows_of_both_engines(tmp_path):
     shapes.write_text(json.dumps({"configs": {"tiny": TINY}}))
     out = tmp_path / "out.json"
     vs_llamacpp.main(["--shapes", str(shapes), "--model", "tiny", "--peers-dir", llamacpp.default_peers_dir(),
-                      "--work-dir", str(tmp_path / "models"), "--formats", "ternary", "--heads", "bf16",
+                      "--work-dir", str(tmp_path / "models"), "--formats", "ternary,ternary_base3", "--heads", "bf16",
                       "--threads", "1", "--tokens", "4", "--context", "4", "--prompt-len", "16", "--rounds", "1",
                       "--bw-mib", "64", "--no-torchao", "--no-mix", "--json", str(out)])
     doc = json.loads(out.read_text())
     rows = next(iter(doc["tables"].values()))
     ours = [r for r in rows if r["engine"] == "ulbtorch HF eager"]
     peers = [r for r in rows if r["engine"].startswith("llama.cpp")]
-    assert len(ours) == 1, rows
-    # TQ2_0 from save_gguf, TQ2_0 and TQ1_0 from llama-quantize
-    assert sorted((r["engine"], r["source"]) for r in peers) == [
-        ("llama.cpp TQ1_0", "convert+quantize"), ("llama.cpp TQ2_0", "convert+quantize"),
-        ("llama.cpp TQ2_0", "save_gguf (our weights)")], peers
+    assert sorted(r["body"] for r in ours) == ["ternary", "ternary_base3"], rows
+    # ternary: TQ2_0 from save_gguf and from llama-quantize; ternary_base3: TQ1_0 from llama-quantize only
+    assert sorted((r["body"], r["engine"], r["source"]) for r in peers) == [
+        ("ternary", "llama.cpp TQ2_0", "convert+quantize"), ("ternary", "llama.cpp TQ2_0", "save_gguf (our weights)"),
+        ("ternary_base3", "llama.cpp TQ1_0", "convert+quantize")], peers
+    assert any(n.startswith("skipped: save_gguf of ternary_base3 + bf16 head: ") for n in doc["notes"]), doc["notes"]
     for r in ours + peers:
         for key in ("tg_tok_s", "pp_tok_s", "pct_bound", "bytes_per_token"):
             assert r[key] is not None and r[key] > 0, (r["engine"], key, r[key])
