@@ -33,7 +33,7 @@ def measure(fmt: str, M: int, K: int, gs: int, threads: int, dists: list, reps: 
     blobs = common.replicate([blob], common.cold_rotation(blob.numel()))
     op = torch.ops.ulb.linear.default
     current = [None]  # the (bits, distance) set last: set again only when another candidate changed it
-    before = {f.bits: runtime.prefetch_distance(f.bits), 2: runtime.prefetch_distance(2)}
+    before = {f.prefetch_bits: runtime.prefetch_distance(f.prefetch_bits), 2: runtime.prefetch_distance(2)}
 
     def setting(bits, d, fn):
         def call(b):
@@ -48,7 +48,7 @@ def measure(fmt: str, M: int, K: int, gs: int, threads: int, dists: list, reps: 
     samples: list[list[float]] = []
     try:
         with common.num_threads(threads):
-            t = common.time_interleaved([(blobs, setting(f.bits, d, lambda b: op(x, b, None, M))) for d in dists]
+            t = common.time_interleaved([(blobs, setting(f.prefetch_bits, d, lambda b: op(x, b, None, M))) for d in dists]
                                         + [(blobs, probe)], reps=reps, samples_out=samples)
     finally:
         for bits, d in before.items():

@@ -87,7 +87,7 @@ def test_results_do_not_depend_on_distance(gen, form, isa):
             want = {n: torch.ops.ulb.linear(x[:n], blob, None, M) for n in (1, 2, 3, 5)}
         with runtime.use_isa(isa):
             for d in DISTANCES:
-                runtime.set_prefetch_distance(2 if f.base3 else f.bits, d)  # base 3 takes the 2-bit setting
+                runtime.set_prefetch_distance(f.prefetch_bits, d)
                 for threads in (1, 2):
                     torch.set_num_threads(threads)
                     for n in (1, 2, 3, 5):

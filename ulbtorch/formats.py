@@ -45,6 +45,11 @@ class Format:
         return 8 / 5 if self.base3 else self.bits
 
     @property
+    def prefetch_bits(self) -> int:
+        """The width whose prefetch setting (runtime.prefetch_distance) its kernels use: base 3 takes 2's."""
+        return 2 if self.base3 else self.bits
+
+    @property
     def levels(self) -> torch.Tensor:
         q = torch.arange(self.max_code + 1)
         return self.level_a * q + self.level_b
