@@ -94,9 +94,13 @@ ALWAYS_INLINE void one_token_group(const digit_tables *d, const uint8_t *codes, 
 }
 
 /* Several tokens: a tile at a time through the group (4 slots x nb sums;
- * every tile's would spill), the tile's k-steps nt tiles apart. */
+ * every tile's would spill), the tile's k-steps nt tiles apart. That reads
+ * a line in every nt, which streams badly from DRAM, so the call on a
+ * panel's first tokens prefetches the next panel (`ahead`: a panel's bytes)
+ * in order, a line for each tile it reads, as panel_avx512.c's
+ * tokens_group_slots does. */
 ALWAYS_INLINE void tokens_group(const digit_tables *d, const uint8_t *codes, int64_t ks0, int64_t ks1,
-                                const int8_t *const *x, int64_t pf_dist, const uint8_t *pf_end,
+                                const int8_t *const *x, int64_t ahead, const uint8_t *pf_end,
                                 __m512i acc[ULB_NB_MAX][ULB_PANEL_TILES], const int nb, const int nt) {
     const int kt = ULB_TILE_K(ULB_BASE3_BITS);
 #pragma GCC unroll 4
@@ -108,7 +112,7 @@ ALWAYS_INLINE void tokens_group(const digit_tables *d, const uint8_t *codes, int
             for (int n = 0; n < nb; n++) slots[s][n] = _mm512_setzero_si512();
         for (int64_t ks = ks0; ks < ks1; ks++) {
             const uint8_t *tile = codes + ((ks - ks0) * nt + t) * ULB_TILE_BYTES;
-            ulb_prefetch_ahead(tile, pf_dist, pf_end);
+            ulb_prefetch_ahead(codes + (t * (ks1 - ks0) + ks - ks0) * ULB_TILE_BYTES, ahead, pf_end);
             const int8_t *xk[ULB_NB_MAX];
 #pragma GCC unroll 4
             for (int n = 0; n < nb; n++) xk[n] = x[n] + ks * kt;
@@ -143,7 +147,8 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         if (nb == 1)
             one_token_group(&d, codes, ks0, ks1, x[0], pf_dist, a->prefetch_end, acc[0], nt);
         else
-            tokens_group(&d, codes, ks0, ks1, x, pf_dist, a->prefetch_end, acc, nb, nt);
+            tokens_group(&d, codes, ks0, ks1, x, pf_dist && n0 == 0 ? ulb_panel_offset(w->ksteps, w->n_groups, 1) : 0,
+                         a->prefetch_end, acc, nb, nt);
 #pragma GCC unroll 4
         for (int n = 0; n < nb; n++) {
             const __m512i vb = _mm512_set1_epi32(w->level_b * a->xsum[(n0 + n) * w->n_groups + g]);
