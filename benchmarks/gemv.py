@@ -361,6 +361,21 @@ def main(argv=None):
                     line += f"; hot geomean {common.geomean(r['speedup_hot'] for r in rs):.2f}x"
                 print(line)
                 notes.append(line)
+        # Weights a second of each format against the first, shape by shape (the same weights, in turn).
+        for fmt in formats[1:]:
+            pairs = {nt: [] for nt in threads}
+            for r in gemv.rows:
+                if r["format"] == formats[0]:
+                    other = [o for o in gemv.rows if o["format"] == fmt and o["threads"] == r["threads"]
+                             and o["model"] == r["model"] and o["shape"] == r["shape"]]
+                    pairs[r["threads"]] += [r["us"] / o["us"] for o in other]
+            every = [v for vs in pairs.values() for v in vs]
+            if every:
+                line = (f"GEMV cold weights/s {fmt} vs {formats[0]}: median "
+                        + ", ".join(f"{statistics.median(vs):.3f}x ({nt} thr)" for nt, vs in pairs.items() if vs)
+                        + f", {statistics.median(every):.3f}x over all {len(every)} shape x thread pairs")
+                print(line)
+                notes.append(line)
     if pre.rows:
         for fmt in formats:
             for nt in threads:
