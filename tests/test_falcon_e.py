@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # 
 from transformers.integrations.bitnet import AutoBitLinear, pack_weights  # noqa: E402
 
 from ulbtorch.importers import convert_bitnet_model, load_bitnet_checkpoint  # noqa: E402
-from ulbtorch.importers.bitnet_norm import NormedLinearTernary  # noqa: E402
+from ulbtorch.nn.normed import NormedLinearTernary  # noqa: E402
 from ulbtorch.nn import LinearTernary, LowBitLinear  # noqa: E402
 
 CFG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -236,7 +236,7 @@ def test_input_norm_eps_describes_packed_ternary_checkpoints_only(tmp_path):
 def test_rms_norm_rounds_as_transformers_does(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from ulbtorch.importers.bitnet_norm import rms_norm
+    from ulbtorch.nn.normed import rms_norm
 
     norm = LlamaRMSNorm(96, eps=EPS).to(dtype)
     norm.weight.data = (1 + 0.3 * torch.randn(96)).to(dtype)
@@ -251,10 +251,11 @@ def test_vllm_runs_each_shards_norm(monkeypatch):
     output, which must give the three NormedLinearTernary layers' outputs."""
     pytest.importorskip("vllm")
     from ulbtorch.integrations import vllm as plugin
+    from ulbtorch.integrations import vllm_linear
     from ulbtorch.integrations.vllm_norm import UlbNormedLinearMethod
 
-    monkeypatch.setattr(plugin, "get_tensor_model_parallel_rank", lambda: 0)
-    monkeypatch.setattr(plugin, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(vllm_linear, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(vllm_linear, "get_tensor_model_parallel_world_size", lambda: 1)
     cfg = plugin.UlbVllmConfig.from_config({"format": "ternary", "granularity": "tensor", "input_norm_eps": EPS})
     cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     method = cfg.get_quant_method(plugin.LinearBase.__new__(plugin.LinearBase), "model.layers.0.self_attn.qkv_proj")

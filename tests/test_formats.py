@@ -72,7 +72,8 @@ def test_bits_spellings_follow_the_aliases():
     assert _BITS_TO_FORMAT == {1: "binary", "1": "binary", 1.58: "ternary", "1.58": "ternary",
                                "ternary": "ternary", 2: "int2_sym", "2": "int2_sym", 4: "int4", "4": "int4",
                                8: "int8", "8": "int8"}
-    assert _FORMAT_TO_BITS == {"binary": 1, "ternary": "ternary", "int2_sym": 2, "int2": 2, "int4": 4, "int8": 8}
+    assert _FORMAT_TO_BITS == {"binary": 1, "ternary": "ternary", "int2_sym": 2, "int2": 2, "int4": 4, "int8": 8,
+                               "ternary_base3": "ternary"}
     assert GRID_FORMATS == {1: "binary", "ternary": "ternary", 1.58: "ternary", 2: "int2_sym"}
     assert describe_bits(FORMAT_FOR_BITS) == "1, 'ternary'/1.58, 2, 4 or 8"
 

@@ -273,7 +273,7 @@ def test_int_dots_takes_only_quantize_act_output(group_size):
 
 # ---- pack, dequantize and the shape limits --------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", [2 ** 32 + 2, -(2 ** 32) + 4, 7])
+@pytest.mark.parametrize("fmt", [2 ** 32 + 2, -(2 ** 32) + 4, max(ulbtorch.formats.FORMATS_BY_ID) + 1])
 def test_pack_format_id_checked_before_narrowing(fmt):
     """An int64 format id was cast to int first: 2**32 + 2 packed as format 2."""
     with pytest.raises(RuntimeError, match=f"unknown format id {fmt}"):

@@ -29,8 +29,8 @@ def test_runtime_controls():
         runtime.set_thread_slowdown(64, 2.0)
     with pytest.raises(ValueError, match="invalid slowdown"):
         runtime.set_thread_slowdown(0, 0.5)
-    with pytest.raises(ValueError, match="no scheduler table for bits=3"):
-        runtime.scheduler_stats(3)
+    with pytest.raises(ValueError, match="no scheduler table for bits=5"):
+        runtime.scheduler_stats(5)
 
 
 def test_runtime_isa_names_checked():
@@ -102,10 +102,10 @@ def test_switch_in_the_environment_of_another_value_warns(name, warning, setting
 
 # ---- scheduler table and slowdown -----------------------------------------------------------------
 
-@pytest.mark.parametrize("bits", [2 ** 40, 2 ** 32 + 2, -1, 3, 2.0, True, "2", None])
+@pytest.mark.parametrize("bits", [2 ** 40, 2 ** 32 + 2, -1, 5, 2.0, True, "2", None])
 def test_scheduler_stats_checks_bits_before_c(bits):
-    """ctypes cut 2**40 to a C int of 0 and gave the read probe's table."""
-    with pytest.raises(ValueError, match=r"no scheduler table for bits=.*; widths are \(0, 1, 2, 4, 8, 16\)"):
+    """ctypes cut 2**40 to a C int of 0 and gave the read probe's table (3: base 3's)."""
+    with pytest.raises(ValueError, match=r"no scheduler table for bits=.*; widths are \(0, 1, 2, 3, 4, 8, 16\)"):
         runtime.scheduler_stats(bits)
 
 

@@ -77,7 +77,7 @@ def _layer_for(m: Manifest, name: str) -> LowBitLinear:
                          f"got {spec['format']!r}")
     cls, extra = MODULE_FOR_FORMAT[spec["format"]], {}
     if NORM_FIELD in spec:
-        from .importers.bitnet_norm import NormedLinearTernary
+        from .nn.normed import NormedLinearTernary
 
         if not issubclass(NormedLinearTernary, cls):
             raise ValueError(f"{m.source}: layer {name!r}: key {NORM_FIELD!r} is for ternary layers, but its format "

@@ -63,7 +63,9 @@ static void msgs_init(void) {
     int n = snprintf(group_msg, sizeof group_msg, "group size must be a positive multiple of %d",
                      FORMATS[0].tile_k);
     const char *sep = " (";
-    for (int bits = 1; bits <= 8; bits++) {
+    static const int widths[] = {1, 2, 4, 8, ULB_BASE3_BITS}; /* narrowest first, then base 3 */
+    for (int w = 0; w < (int)(sizeof widths / sizeof widths[0]); w++) {
+        const int bits = widths[w];
         int found = 0;
         for (int i = 0; i < NFORMATS; i++) found |= FORMATS[i].bits == bits && bits != FORMATS[0].bits;
         if (!found) continue;

@@ -1,5 +1,5 @@
 """Loading checkpoints that are already ultra-low-bit, without re-quantising."""
-from .bitnet_norm import NormedLinearTernary
+from ..nn.normed import NormedLinearTernary
 from .gguf import load_gguf
 from .gguf_export import save_gguf
 from .grid import convert_grid_linears, pack_grid_weight

@@ -24,7 +24,7 @@ from torch import nn
 
 from .._atomic import staging
 from ..nn import LowBitLinear
-from .bitnet_norm import input_norm_eps
+from ..nn.normed import input_norm_eps
 from .gguf import row_order
 from .gguf_blocks import ENCODED_AS, block_shape, encode
 

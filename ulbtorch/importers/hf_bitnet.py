@@ -9,7 +9,7 @@ microsoft/bitnet-b1.58-2B-4T and tiiuae/Falcon3-*-1.58bit publish it:
   "autobitlinear": W = T * scale, and its bias is scaled with the product.
 * use_rms_norm (Falcon-E): `<layer>.rms_norm.weight`, an RMSNorm of the
   layer's input before its activations are quantised (NormedLinearTernary,
-  which ulbtorch's save paths store with the norm: see bitnet_norm).
+  which ulbtorch's save paths store with the norm: see ulbtorch/nn/normed.py).
 * activations: per-token absmax int8, which is exactly what our kernels do, so
   LinearTernary with one per-tensor scale runs these layers losslessly.
 """
@@ -27,7 +27,7 @@ from torch import nn
 from ..finish import finish_conversion
 from ..nn import LinearTernary, replace_module
 from ..quantize import QuantConfig, linear_layers, run_conversion_hooks
-from .bitnet_norm import NormedLinearTernary, check_eps, input_norm_eps
+from ..nn.normed import NormedLinearTernary, check_eps, input_norm_eps
 
 VALUES_PER_BYTE = 4
 LINEAR_CLASSES = ("bitlinear", "autobitlinear")

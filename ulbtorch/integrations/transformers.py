@@ -15,7 +15,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..finish import finish_conversion
-from ..importers.bitnet_norm import NormedLinearTernary, check_eps, input_norm_eps
+from ..nn.normed import NormedLinearTernary, check_eps, input_norm_eps
 from ..nn import MODULE_FOR_FORMAT, LinearBF16, LinearTernary, LowBitLinear, replace_module
 from ..nn.replace import is_plain_linear, name_selected, patterns
 from ..quantize import LM_HEAD, SAVED_OPTIONS, QuantConfig, linear_layers, quantize_

@@ -4,7 +4,7 @@ input_norm_eps: Falcon-E's use_rms_norm, importers.NormedLinearTernary).
 vLLM merges q/k/v and gate/up into one layer, but each checkpoint layer has
 its own norm weight, so each shard's input is normed differently: such a
 merged layer keeps one blob per shard and runs each on its own norm's output
-(the norms round as transformers' LlamaRMSNorm: importers.bitnet_norm.rms_norm).
+(the norms round as transformers' LlamaRMSNorm: nn.normed.rms_norm).
 The norm is over the whole input, which a row-parallel layer split over
 ranks does not see: those run at tensor_parallel_size 1 only.
 """
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..importers.bitnet_norm import rms_norm
-from .vllm import _SHARD_INDEX, UlbLinearMethod
+from ..nn.normed import rms_norm
+from .vllm_linear import _SHARD_INDEX, UlbLinearMethod
 
 
 class UlbNormedLinearMethod(UlbLinearMethod):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..nn import LinearTernary
+from .linear import LinearTernary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
