@@ -10,7 +10,7 @@
  * eight lanes at a time against an 8-lane copy of the activations. */
 #include <string.h>
 
-#include "internal.h"
+#include "lanes_out.h"
 
 #define LANES ULB_TILE_BYTES
 #define PAT 8
@@ -65,16 +65,7 @@ void ulb_panel_base3_portable(const ulb_weight *w, int64_t tile0, int ntiles, co
                     }
             }
         }
-        for (int n = 0; n < nb; n++) {
-            const int32_t xsum = a->xsum[(n0 + n) * w->n_groups + g];
-            for (int r = 0; r < ntiles * ULB_TILE; r++) {
-                const int32_t *l4 = &lanes[n][r / ULB_TILE][4 * (r % ULB_TILE)];
-                const int32_t dot = w->level_a * (l4[0] + l4[1] + l4[2] + l4[3]) + w->level_b * xsum;
-                float s;
-                memcpy(&s, base + r * 4, sizeof s);
-                facc[n * ULB_PANEL_ROWS + r] = facc[n * ULB_PANEL_ROWS + r] + s * (float)dot;
-                if (dots) dots[(n * w->n_groups + g) * ULB_PANEL_ROWS + r] = dot;
-            }
-        }
+        for (int n = 0; n < nb; n++)
+            ulb_lanes_out(w, base, lanes[n], ntiles, a->xsum[(n0 + n) * w->n_groups + g], g, n, facc, dots);
     }
 }

@@ -15,7 +15,7 @@
  * lanes of a row add at the group's end. */
 #include <string.h>
 
-#include "internal.h"
+#include "lanes_out.h"
 
 #define LANES ULB_TILE_BYTES
 #define PAT 8
@@ -93,15 +93,7 @@ void ulb_panel_portable(const ulb_weight *w, int64_t tile0, int ntiles, const ul
             memset(lanes, 0, sizeof lanes);
             group_lanes_of_width(codes, ks1 - ks0, ntiles, w->bits, w->tiles, a->xq + (n0 + j) * a->ldq + ks0 * tk,
                                  lanes);
-            const int32_t xsum = a->xsum[(n0 + j) * w->n_groups + g];
-            for (int r = 0; r < ntiles * ULB_TILE; r++) {
-                const int32_t *l4 = &lanes[r / ULB_TILE][4 * (r % ULB_TILE)];
-                const int32_t dot = w->level_a * (l4[0] + l4[1] + l4[2] + l4[3]) + w->level_b * xsum;
-                float s;
-                memcpy(&s, base + r * 4, sizeof s);
-                facc[j * ULB_PANEL_ROWS + r] = facc[j * ULB_PANEL_ROWS + r] + s * (float)dot;
-                if (dots) dots[(j * w->n_groups + g) * ULB_PANEL_ROWS + r] = dot;
-            }
+            ulb_lanes_out(w, base, lanes, ntiles, a->xsum[(n0 + j) * w->n_groups + g], g, j, facc, dots);
         }
     }
 }

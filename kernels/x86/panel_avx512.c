@@ -3,17 +3,7 @@
  * applied once per group (see internal.h), so one instruction serves every
  * format. Must match ref/panel_ref.c bit for bit. */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
-#include <immintrin.h>
-
-#include "../src/internal.h"
-
-/* acc += u (u8) . broadcast of the 4 int8 at p, with the broadcast folded into
- * the instruction: GCC otherwise hoists the broadcasts into registers, and
- * the one-token loop (16 accumulators) then spills. */
-ALWAYS_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
-    return acc;
-}
+#include "vnni512.h"
 
 /* An 8-byte demand load of the line at p, result unused. One per tile beside
  * the 64-byte load lets the 2-bit one-token loop stream faster from DRAM on
@@ -38,13 +28,6 @@ ALWAYS_INLINE __m512i field(__m512i v, int j, const int bits) {
 ALWAYS_INLINE __m512i slot_field(__m512i v, __m512i hi, int f, const int bits) {
     const __m512i m = _mm512_set1_epi8((char)(((1 << bits) - 1) << (bits * (f % 4))));
     return _mm512_and_si512(f < 4 ? v : hi, m);
-}
-
-/* The sum of four partial sums of which slot s holds 2^(bits * s) times its
- * products: each shifted back exactly (a multiple of its scale). */
-ALWAYS_INLINE __m512i slots_sum(__m512i s0, __m512i s1, __m512i s2, __m512i s3, const int bits) {
-    return _mm512_add_epi32(_mm512_add_epi32(s0, _mm512_srai_epi32(s1, bits)),
-                            _mm512_add_epi32(_mm512_srai_epi32(s2, 2 * bits), _mm512_srai_epi32(s3, 3 * bits)));
 }
 
 /* One token. Masking field j in place leaves 2^(bits*j) * q; fields 4..7 of
@@ -159,7 +142,6 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
     const int64_t pf_dist = prefetch ? a->prefetch_dist : 0;
     const int8_t *x[ULB_NB_MAX];
     for (int j = 0; j < nb; j++) x[j] = a->xq + (n0 + j) * a->ldq;
-    const __m512i va = _mm512_set1_epi32(w->level_a);
     __m512 f[ULB_NB_MAX][ULB_PANEL_TILES];
 #pragma GCC unroll 4
     for (int j = 0; j < nb; j++)
@@ -190,18 +172,7 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
                                a->prefetch_end, acc, nb, nt, bits);
         else
             tokens_group(codes, ks0, ks1, x, pf_dist, a->prefetch_end, acc, nb, nt, bits);
-#pragma GCC unroll 4
-        for (int j = 0; j < nb; j++) {
-            const __m512i vb = _mm512_set1_epi32(w->level_b * a->xsum[(n0 + j) * w->n_groups + g]);
-#pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(acc[j][t], va), vb);
-                const __m512 s = _mm512_loadu_ps(scales + t * ULB_TILE);
-                f[j][t] = _mm512_add_ps(f[j][t], _mm512_mul_ps(s, _mm512_cvtepi32_ps(dot)));
-                if (dots)
-                    _mm512_storeu_si512(dots + (j * w->n_groups + g) * ULB_PANEL_ROWS + t * ULB_TILE, dot);
-            }
-        }
+        group_out(w, a, n0, g, scales, acc, f, dots, nb, nt);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < nb; j++)

@@ -5,16 +5,7 @@
  * k-quad j (layout.h), as field j of a 2-bit tile is. Must match
  * ref/panel_ref.c bit for bit. */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
-#include <immintrin.h>
-
-#include "../src/internal.h"
-
-/* acc += u (u8) . broadcast of the 4 int8 at p, the broadcast folded into the
- * instruction (as in panel_avx512.c: hoisted broadcasts spill). */
-ALWAYS_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
-    return acc;
-}
+#include "vnni512.h"
 
 /* Two lookups decode a tile: A, the codes of digits 0..3 as the 2-bit fields
  * of one byte (c0 + 4 c1 + 16 c2 + 64 c3: a 2-bit VNNI tile of k-quads 0..3),
@@ -64,11 +55,6 @@ ALWAYS_INLINE void tile_sums(const digit_tables *d, const uint8_t *tile, const i
     for (int n = 0; n < nb; n++) slots[0][n] = dpbusd_bcast(slots[0][n], b, xk[n] + 16);
 }
 
-ALWAYS_INLINE __m512i slots_sum(__m512i s0, __m512i s1, __m512i s2, __m512i s3) {
-    return _mm512_add_epi32(_mm512_add_epi32(s0, _mm512_srai_epi32(s1, 2)),
-                            _mm512_add_epi32(_mm512_srai_epi32(s2, 4), _mm512_srai_epi32(s3, 6)));
-}
-
 /* One token: the group's k-steps in order, every tile of a step, 4 slots a
  * tile (16 independent chains for a full panel). */
 ALWAYS_INLINE void one_token_group(const digit_tables *d, const uint8_t *codes, int64_t ks0, int64_t ks1,
@@ -90,7 +76,7 @@ ALWAYS_INLINE void one_token_group(const digit_tables *d, const uint8_t *codes, 
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < nt; t++) acc[t] = slots_sum(slots[t][0][0], slots[t][1][0], slots[t][2][0], slots[t][3][0]);
+    for (int t = 0; t < nt; t++) acc[t] = slots_sum(slots[t][0][0], slots[t][1][0], slots[t][2][0], slots[t][3][0], 2);
 }
 
 /* Several tokens: a tile at a time through the group (4 slots x nb sums;
@@ -119,7 +105,7 @@ ALWAYS_INLINE void tokens_group(const digit_tables *d, const uint8_t *codes, int
             tile_sums(d, tile, xk, slots, nb);
         }
 #pragma GCC unroll 4
-        for (int n = 0; n < nb; n++) acc[n][t] = slots_sum(slots[0][n], slots[1][n], slots[2][n], slots[3][n]);
+        for (int n = 0; n < nb; n++) acc[n][t] = slots_sum(slots[0][n], slots[1][n], slots[2][n], slots[3][n], 2);
     }
 }
 
@@ -130,7 +116,6 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
     const digit_tables d = load_tables();
     const int8_t *x[ULB_NB_MAX];
     for (int n = 0; n < nb; n++) x[n] = a->xq + (n0 + n) * a->ldq;
-    const __m512i va = _mm512_set1_epi32(w->level_a);
     __m512 f[ULB_NB_MAX][ULB_PANEL_TILES];
 #pragma GCC unroll 4
     for (int n = 0; n < nb; n++)
@@ -149,17 +134,7 @@ ALWAYS_INLINE void panel_body(const ulb_weight *w, int64_t tile0, const ulb_acts
         else
             tokens_group(&d, codes, ks0, ks1, x, pf_dist && n0 == 0 ? ulb_panel_offset(w->ksteps, w->n_groups, 1) : 0,
                          a->prefetch_end, acc, nb, nt);
-#pragma GCC unroll 4
-        for (int n = 0; n < nb; n++) {
-            const __m512i vb = _mm512_set1_epi32(w->level_b * a->xsum[(n0 + n) * w->n_groups + g]);
-#pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(acc[n][t], va), vb);
-                f[n][t] = _mm512_add_ps(f[n][t], _mm512_mul_ps(_mm512_loadu_ps(scales + t * ULB_TILE),
-                                                               _mm512_cvtepi32_ps(dot)));
-                if (dots) _mm512_storeu_si512(dots + (n * w->n_groups + g) * ULB_PANEL_ROWS + t * ULB_TILE, dot);
-            }
-        }
+        group_out(w, a, n0, g, scales, acc, f, dots, nb, nt);
     }
 #pragma GCC unroll 4
     for (int n = 0; n < nb; n++)
