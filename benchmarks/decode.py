@@ -6,7 +6,7 @@ quantized with ulbtorch.quantize_, in one process, at one thread count.
   python benchmarks/decode.py                                  # falcon3-1b, bf16 vs 2-bit
   python benchmarks/decode.py --config bitnet-b1.58-2b --formats 2,ternary,1
   python benchmarks/decode.py --profile                        # + share of time in linear layers, Amdahl bound
-  python benchmarks/decode.py --compile                        # + torch.compile(model.forward) variants
+  python benchmarks/decode.py --compile                        # + ulbtorch.compile_decode variants
   python benchmarks/decode.py --prompt-len 512 --tokens 8      # time to the first token of a long prompt
   python benchmarks/decode.py --config qwen3-30b-a3b --layers 4   # a mixture-of-experts model (packed experts)
 
@@ -177,12 +177,6 @@ def amdahl(f: float, s: float) -> float:
     return 1.0 / ((1.0 - f) + f / s)
 
 
-def try_compile(model):
-    """Compile model.forward in place (generate() then calls the compiled forward)."""
-    model.forward = torch.compile(model.forward, dynamic=True)
-    return model
-
-
 def head_variant(bits: int, group_size: int) -> str:
     """Row-name suffix of a variant with quantize_(..., lm_head_bits=bits)."""
     return f" +int{bits} lm_head" + (f" g{group_size}" if group_size else "")
@@ -216,7 +210,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt token ids (default 16)")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens = min_new_tokens (default 32)")
     p.add_argument("--reps", type=int, default=3, help="timed generations per variant, median (default 3)")
-    p.add_argument("--compile", action="store_true", help="also run each variant with torch.compile(model.forward)")
+    p.add_argument("--compile", action="store_true", help="also run each variant after ulbtorch.compile_decode "
+                   "(static KV cache, compiled decode step)")
     p.add_argument("--profile", action="store_true",
                    help="share of decode time in linear layers (bf16) / ulb ops (quantized) and the Amdahl bound")
     p.add_argument("--experts-ab", type=int, default=0, metavar="ROUNDS",
@@ -324,7 +319,7 @@ def main(argv=None):
             m = copy.deepcopy(model)
             if not args.no_hugepages:  # a deep copy is in 4 KiB pages again
                 ulbtorch.hugepages.move_to_hugepages(m)
-            try_compile(m)
+            ulbtorch.compile_decode(m)
             t0 = time.perf_counter()
             generate(m, ids, args.tokens)  # compiles
             print(f"  (torch.compile warmup of {name}: {time.perf_counter() - t0:.1f} s)")

@@ -130,3 +130,33 @@ def test_torch_compile_fullgraph():
             assert torch.equal(compiled(x), seq(x))
     finally:
         torch._dynamo.reset()
+
+
+def test_compile_decode_tokens_match_the_static_cache_in_eager():
+    """compile_decode: generate runs one compiled graph for every decode step
+    (no recompile for a shorter call after a longer one), and its greedy
+    tokens equal the same static-cache decode in eager mode (float32, so
+    inductor's fusions cannot flip a bf16 tie)."""
+    from _tiny_llama import prompt, tiny_llama
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    ulbtorch.quantize_(model, format="ternary", lm_head_bits=8)
+    ids = prompt(8)[:1]
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                                  disable_compile=True)
+        assert ulbtorch.compile_decode(model) is model
+        torch._dynamo.reset()
+        counters.clear()
+        got = model.generate(ids, max_new_tokens=12, do_sample=False)
+        shorter = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert torch.equal(got, expected), (got, expected)
+    assert torch.equal(shorter, expected[:, :13])
+
+
+def test_compile_decode_refuses_what_has_no_generate():
+    with pytest.raises(TypeError, match="compile_decode takes a transformers model with generate"):
+        ulbtorch.compile_decode(nn.Linear(4, 4))

@@ -1,0 +1,45 @@
+"""Greedy decode in transformers with a static KV cache and a compiled step,
+on the CPU as transformers does it on GPUs:
+
+    ulbtorch.compile_decode(model)      # once, after quantize_ or from_pretrained
+    model.generate(ids, max_new_tokens=64)
+
+In eager mode each decode step runs a few hundred PyTorch ops from Python
+besides the layers' kernel calls: norms, rotary embedding, attention over a
+growing cache, residual adds. Their time does not shrink as the weights
+shrink, and at one token it is a real share of a step. A static cache makes
+the step's shapes the same every token, so transformers' generate compiles
+the step once (torch.compile, fullgraph) and runs that graph for every token
+after the prompt: inductor fuses the elementwise work into a few C++ loops
+and calls ulbtorch's op for each layer. The prompt itself runs eager (its
+length changes from call to call).
+
+What changes for the caller: the first generate call compiles (tens of
+seconds), and so does a call whose prompt plus new tokens is longer than
+any before (transformers keeps the cache at the longest length seen). The
+cache holds max_length positions from the start, and attention reads all of
+them every step (masked)."""
+from __future__ import annotations
+
+from torch import nn
+
+
+def compile_decode(model: nn.Module, *, mode: str | None = None, options: dict | None = None) -> nn.Module:
+    """Make `model.generate` use a static KV cache and a compiled decode step
+    (transformers' CompileConfig, asked to compile on the CPU too). mode or
+    options (one of them, as torch.compile takes) go to torch.compile.
+    Returns the model; undo with
+    `model.generation_config.cache_implementation = None` and
+    `compile_config = None`."""
+    from transformers import CompileConfig
+
+    gen = getattr(model, "generation_config", None)
+    if gen is None or not hasattr(model, "generate"):
+        raise TypeError(f"compile_decode takes a transformers model with generate(), got {type(model).__name__}")
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=mode, options=options)
+    # transformers compiles the step only on accelerators unless asked; this
+    # private flag is how its own CPU tests ask (transformers 5.x).
+    config._compile_all_devices = True
+    gen.cache_implementation = "static"
+    gen.compile_config = config
+    return model
