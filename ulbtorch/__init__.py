@@ -1,6 +1,7 @@
 """ulbtorch: 1-bit, ternary and 2-bit weights at memory speed on CPUs."""
 from . import _registrations, hugepages, ops, reference, runtime  # noqa: F401  (_registrations: on import)
 from .formats import FORMATS, get_format
+from .integrations.hf_attention import decode_attention_
 from .integrations.hf_generate import compile_decode
 from .nn import Linear1Bit, Linear2Bit, Linear4Bit, Linear8Bit, LinearBF16, LinearTernary, LowBitLinear, bf16_gemv_
 from .quantize import QuantConfig, quantize_
@@ -29,4 +30,4 @@ def __getattr__(name):
 
 __all__ = ["hugepages", "ops", "reference", "runtime", "FORMATS", "get_format", "Linear1Bit", "Linear2Bit", "Linear4Bit", "Linear8Bit", "LinearTernary",
            "LowBitLinear", "LinearBF16", "QuantConfig", "quantize_", "bf16_gemv_", "save_quantized",
-           "load_quantized", "load_gguf", "save_gguf", "compile_decode"]
+           "load_quantized", "load_gguf", "save_gguf", "compile_decode", "decode_attention_"]

@@ -23,19 +23,27 @@ from __future__ import annotations
 
 from torch import nn
 
+from .hf_attention import decode_attention_
 
-def compile_decode(model: nn.Module, *, mode: str | None = None, options: dict | None = None) -> nn.Module:
+
+def compile_decode(model: nn.Module, *, attention: bool = True, mode: str | None = None,
+                   options: dict | None = None) -> nn.Module:
     """Make `model.generate` use a static KV cache and a compiled decode step
-    (transformers' CompileConfig, asked to compile on the CPU too). mode or
-    options (one of them, as torch.compile takes) go to torch.compile.
+    (transformers' CompileConfig, asked to compile on the CPU too), and with
+    attention=True (default) ulbtorch's decode attention
+    (hf_attention.decode_attention_): compiled, torch's sdpa keeps its
+    flash kernel's cost per call, which is then most of what is left. mode
+    or options (one of them, as torch.compile takes) go to torch.compile.
     Returns the model; undo with
-    `model.generation_config.cache_implementation = None` and
-    `compile_config = None`."""
+    `model.generation_config.cache_implementation = None`,
+    `compile_config = None` and `model.set_attn_implementation("sdpa")`."""
     from transformers import CompileConfig
 
     gen = getattr(model, "generation_config", None)
     if gen is None or not hasattr(model, "generate"):
         raise TypeError(f"compile_decode takes a transformers model with generate(), got {type(model).__name__}")
+    if attention:
+        decode_attention_(model)
     config = CompileConfig(fullgraph=True, dynamic=False, mode=mode, options=options)
     # transformers compiles the step only on accelerators unless asked; this
     # private flag is how its own CPU tests ask (transformers 5.x).
