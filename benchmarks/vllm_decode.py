@@ -63,7 +63,7 @@ def serve(path: str, tokens: int, reps: int, tp: int, memory: float) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=512,
-              max_num_seqs=1, gpu_memory_utilization=memory, tensor_parallel_size=tp)
+              max_num_seqs=1, gpu_memory_utilization=memory / tp, tensor_parallel_size=tp)
     params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, detokenize=False)
     llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=4, temperature=0, detokenize=False))
     best = 0.0
@@ -87,8 +87,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="mp,inproc", help="engine modes: mp (vLLM's default), inproc")
     p.add_argument("--memory", type=float, default=0.3,
-                   help="vLLM's gpu_memory_utilization: the share of the machine's memory for the weights and the "
-                        "KV cache (default 0.3; the 4-layer MoE's bf16 model needs 0.6)")
+                   help="the share of the machine's memory for the weights and KV cache of all ranks together "
+                        "(vLLM's gpu_memory_utilization is per rank: this over the TP size; default 0.3, the "
+                        "4-layer MoE's bf16 model needs 0.6)")
     p.add_argument("--json", help="write the tables as JSON here (benchmarks/results/<machine>/...)")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     a = p.parse_args()

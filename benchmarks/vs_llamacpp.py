@@ -17,9 +17,11 @@ What runs (benchmarks/peers/README.md has the details):
   Q8_0) and llama.cpp's own convert_hf_to_gguf.py (bf16) + llama-quantize
   (TQ2_0, TQ1_0, Q4_0, Q8_0) with --output-tensor-type set to our head, and
   llama-quantize's default mix (its own choice of output type);
-- per thread count and matching pair, rounds in turn: our HF eager decode
+- per thread count and matching pair, rounds in turn: our HF decode
   (decode.generate: `--tokens` new tokens after a `--context` prompt, and
-  the first token of a `--prompt-len` prompt) against llama-bench tg
+  the first token of a `--prompt-len` prompt), in eager mode and after
+  ulbtorch.compile_decode (static KV cache, compiled step, ulbtorch's
+  decode attention; its prefill is not timed), against llama-bench tg
   (same tokens at depth `--context`) and pp (`--prompt-len`);
 - a plain read of a buffer larger than the caches at each thread count,
   before and after (common.measure_read_bandwidth, the best seen), and the
@@ -61,6 +63,9 @@ FORMATS = {
 # Our output head -> (quantize_ keywords, llama-quantize --output-tensor-type)
 HEADS = {"bf16": ({}, "bf16"), "q8_0": (dict(lm_head_bits=8, lm_head_group_size=32), "q8_0")}
 SOURCES = ("save_gguf", "llama-quantize")
+# How ours runs -> its engine name: HF eager generate, and generate after
+# ulbtorch.compile_decode (static KV cache, compiled decode step)
+OURS = {"eager": "ulbtorch HF eager", "compiled": "ulbtorch HF compiled"}
 
 
 def parse_args(argv):
@@ -84,6 +89,7 @@ def parse_args(argv):
     p.add_argument("--sources", default=",".join(SOURCES),
                    help="GGUF files from ulbtorch.save_gguf and/or llama.cpp's convert + llama-quantize "
                         f"(default {','.join(SOURCES)})")
+    p.add_argument("--ours", default=",".join(OURS), help=f"how ours runs (default {','.join(OURS)})")
     p.add_argument("--no-mix", action="store_true", help="leave out llama-quantize's default mix")
     p.add_argument("--no-torchao", action="store_true", help="leave out torchao (default: in where installed)")
     p.add_argument("--bitnet-dir", help="a bitnet.cpp checkout with its llama.cpp submodule (see peers/README.md)")
@@ -97,7 +103,7 @@ def parse_args(argv):
     p.add_argument("--markdown", help="write the table as markdown here")
     args = p.parse_args(argv)
     args.threads = common.parse_list(args.threads, int)
-    for name, known in (("formats", FORMATS), ("heads", HEADS), ("sources", SOURCES)):
+    for name, known in (("formats", FORMATS), ("heads", HEADS), ("sources", SOURCES), ("ours", OURS)):
         values = common.parse_list(getattr(args, name))
         bad = [v for v in values if v not in known]
         if bad or not values:
@@ -210,16 +216,18 @@ def ulb_sample(model, ids_ctx, ids_pp, tokens: int) -> dict:
     return out
 
 
-def time_group(ours, peers, threads: int, args, lc, ids_ctx, ids_pp) -> tuple[list, list]:
+def time_group(cands, threads: int, args, lc, ids_ctx, ids_pp) -> list:
     """Rounds of one sample of each candidate, in turn, each round starting
-    one candidate later (as common.time_interleaved). ours: our model;
-    peers: dicts with a GGUF "path" (llama-bench) or a "model" (in-process).
-    Returns the candidates (ours first) and each one's samples."""
-    cands = [dict(model=ours)] + peers
+    one candidate later (as common.time_interleaved). cands: dicts with a
+    GGUF "path" (llama-bench) or a "model" (in-process; "prefill": False
+    leaves its prefill untimed). Returns each candidate's samples."""
     with common.num_threads(threads):
-        for c in cands:  # warm up the in-process ones (llama-bench warms each run up itself)
+        # Warm up the in-process ones (llama-bench warms each run up itself)
+        # with as many tokens as timed: a static cache sized for fewer would
+        # be made again, and its graph compiled again, in the first round.
+        for c in cands:
             if c.get("model") is not None:
-                ulb_sample(c["model"], ids_ctx, ids_pp, 2)
+                ulb_sample(c["model"], ids_ctx, ids_pp if c.get("prefill", True) else None, args.tokens)
         samples = [[] for _ in cands]
         n = len(cands)
         for r in range(args.rounds):
@@ -227,13 +235,32 @@ def time_group(ours, peers, threads: int, args, lc, ids_ctx, ids_pp) -> tuple[li
                 i = (r + j) % n
                 c = cands[i]
                 if c.get("model") is not None:
-                    samples[i].append(ulb_sample(c["model"], ids_ctx, ids_pp, args.tokens))
+                    samples[i].append(ulb_sample(c["model"], ids_ctx, ids_pp if c.get("prefill", True) else None,
+                                                 args.tokens))
                 else:
                     res = llamacpp.bench(lc, c["path"], threads, n_gen=args.tokens, n_prompt=args.prompt_len,
                                          depth=args.context)
                     c["command"] = res["command"]
                     samples[i].append(dict(tg=res["tg"], pp=res["pp"]))
-    return cands, samples
+    return samples
+
+
+def our_variants(qm, fmt: str, which: list[str]) -> list[dict]:
+    """Our candidates: qm in HF eager, and a copy of it after compile_decode
+    (the copy's weights moved into 2 MiB pages again, as quantize_ placed
+    qm's). The compiled one's prefill is not timed: the prompt runs eager
+    there too, and a long one would leave the static cache that long for the
+    decode samples after it."""
+    out = []
+    for how in which:
+        m = qm
+        if how == "compiled":
+            m = copy.deepcopy(qm)
+            ulbtorch.hugepages.move_to_hugepages(m)
+            ulbtorch.compile_decode(m)
+        out.append(dict(model=m, name=OURS[how], ours=how, source=f"quantize_ {fmt}", bytes=ulb_bytes(m),
+                        prefill=how != "compiled"))
+    return out
 
 
 def median_of(samples, key):
@@ -322,13 +349,13 @@ def main(argv=None):
                           for n, m in ao_models.items() if torchao_peer.MATCHES[n] == fmt]
             for p in peers:
                 p["bytes"] = llamacpp.bytes_per_token(p["path"]) if "path" in p else ulb_bytes(p["model"])
+            ours = our_variants(qm, fmt, args.ours)
             for t in args.threads:
-                print(f"  timing {fmt} + {head} head, {t} thr: ours and {len(peers)} peers, {args.rounds} rounds",
-                      flush=True)
-                cands, samples = time_group(qm, [dict(p) for p in peers], t, args, lc, ids_ctx, ids_pp)
-                cands[0].update(name="ulbtorch HF eager", source=f"quantize_ {fmt}", bytes=ulb_bytes(qm))
-                groups.append((t, fmt, head, cands, samples))
-            del qm
+                print(f"  timing {fmt} + {head} head, {t} thr: {len(ours)} of ours and {len(peers)} peers, "
+                      f"{args.rounds} rounds", flush=True)
+                cands = [dict(c) for c in ours] + [dict(p) for p in peers]
+                groups.append((t, fmt, head, cands, time_group(cands, t, args, lc, ids_ctx, ids_pp)))
+            del qm, ours
             gc.collect()
     if args.prepare_only:
         print(f"# model files ready in {root}")
@@ -340,11 +367,13 @@ def main(argv=None):
                           ("engine", "engine", None), ("source", "file / source", None),
                           ("mib_tok", "MiB/token", ".1f"), ("tg_tok_s", "decode tok/s", ".2f"),
                           ("pct_bound", "% of bound", ".0f"), ("pp_tok_s", "prefill tok/s", ".1f"),
-                          ("x_decode", "ours/peer decode", ".2f"), ("x_prefill", "ours/peer prefill", ".2f")],
+                          ("x_decode", "eager/peer decode", ".2f"), ("x_decode_compiled", "compiled/peer decode", ".2f"),
+                          ("x_prefill", "ours/peer prefill", ".2f")],
                          title=f"vs llama.cpp, {args.model} ({cfg['num_hidden_layers']} layers)")
     notes = []
     for t, fmt, head, cands, samples in groups:
-        ours = samples[0]
+        ours = {c["ours"]: s for c, s in zip(cands, samples) if "ours" in c}
+        eager = ours.get("eager", next(iter(ours.values())))
         for c, s in zip(cands, samples):
             tg = median_of(s, "tg")
             row = dict(threads=t, body=fmt, head=head, engine=c["name"], source=c["source"],
@@ -352,15 +381,18 @@ def main(argv=None):
                        mib_tok=c["bytes"] / common.MiB, tg_tok_s=tg, pp_tok_s=median_of(s, "pp"),
                        pct_bound=100 * tg * c["bytes"] / (beta[t] * 1e9) if tg else None,
                        read_gbps=beta[t], samples=s, command=c.get("command"))
-            if c is not cands[0]:
-                row.update(x_decode=ratio(ours, s, "tg"), x_prefill=ratio(ours, s, "pp"))
+            if "ours" not in c:
+                row.update(x_decode=ratio(ours["eager"], s, "tg") if "eager" in ours else None,
+                           x_decode_compiled=ratio(ours["compiled"], s, "tg") if "compiled" in ours else None,
+                           x_prefill=ratio(eager, s, "pp"))
             table.add(row)
-        best = max(cands[1:], key=lambda c: median_of(samples[cands.index(c)], "tg") or 0, default=None)
-        if best is not None:
-            i = cands.index(best)
-            notes.append(f"{t} thr, {fmt} + {head} head: ours {median_of(ours, 'tg'):.2f} tok/s, the fastest peer "
-                         f"{best['name']} ({best['source']}) {median_of(samples[i], 'tg'):.2f}: "
-                         f"{ratio(ours, samples[i], 'tg'):.2f}x")
+        peer_idx = [i for i, c in enumerate(cands) if "ours" not in c]
+        if peer_idx:
+            i = max(peer_idx, key=lambda i: median_of(samples[i], "tg") or 0)
+            notes.append(f"{t} thr, {fmt} + {head} head: the fastest peer {cands[i]['name']} ({cands[i]['source']}) "
+                         f"{median_of(samples[i], 'tg'):.2f} tok/s; " + ", ".join(
+                             f"ours {how} {median_of(s, 'tg'):.2f}: {ratio(s, samples[i], 'tg'):.2f}x"
+                             for how, s in ours.items()))
     table.print()
     print("% of bound: decode tok/s x bytes read per token (weights but the embedding) / the read bandwidth of a "
           "plain read in this run (" + ", ".join(f"{t} thr {beta[t]:.1f} GB/s" for t in args.threads) + "); "

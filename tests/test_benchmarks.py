@@ -36,6 +36,7 @@ RUNS = {
     "decode_moe": (["decode.py", "--quick", "--config", "olmoe-1b-7b", "--vocab-size", "1000", "--tokens", "2",
                     "--profile", "--experts-ab", "2", "--shapes", "{shapes}"], ("Amdahl", "same tokens: True")),
     "checksum": (["checksum.py", "--quick"], "blob checks at load"),
+    "decode_attention": (["decode_attention.py", "--quick", "--shapes", "{shapes}"], "x = sdpa / ulb"),
     "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
                    "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }

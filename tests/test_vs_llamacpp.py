@@ -47,7 +47,13 @@ def test_tiny_run_has_rows_of_both_engines(tmp_path):
         for key in ("tg_tok_s", "pp_tok_s", "pct_bound", "bytes_per_token"):
             assert r[key] is not None and r[key] > 0, (r["engine"], key, r[key])
     for r in peers:
-        assert r["x_decode"] > 0 and r["x_prefill"] > 0, r
+        assert r["x_decode"] > 0 and r["x_decode_compiled"] > 0 and r["x_prefill"] > 0, r
+    # compile_decode's copy: decode timed, its prefill (eager, as the other's) not
+    compiled = [r for r in rows if r["engine"] == "ulbtorch HF compiled"]
+    assert sorted(r["body"] for r in compiled) == ["ternary", "ternary_base3"], rows
+    for r in compiled:
+        assert r["tg_tok_s"] > 0 and r["pct_bound"] > 0 and r["pp_tok_s"] is None, r
+        assert r["bytes_per_token"] == next(o["bytes_per_token"] for o in ours if o["body"] == r["body"])
     # save_gguf wrote our weights: the same bytes per token as llama-quantize's TQ2_0 of the same folder
     tq2 = {r["source"]: r["bytes_per_token"] for r in peers if r["engine"] == "llama.cpp TQ2_0"}
     assert tq2["save_gguf (our weights)"] == tq2["convert+quantize"], tq2
@@ -63,15 +69,17 @@ def test_render_summarises_a_vs_llamacpp_json(tmp_path):
 
     row = dict(threads=2, body="ternary", head="q8_0", bytes_per_token=1, mib_tok=1.0, pct_bound=50.0)
     rows = [dict(row, engine="ulbtorch HF eager", source="quantize_ ternary", tg_tok_s=30.0, pp_tok_s=300.0),
+            dict(row, engine="ulbtorch HF compiled", source="quantize_ ternary", tg_tok_s=40.0, pp_tok_s=None,
+                 pct_bound=66.0),
             dict(row, engine="llama.cpp TQ2_0", source="save_gguf (our weights)", tg_tok_s=20.0, pp_tok_s=30.0,
-                 x_decode=1.5, x_prefill=10.0, pct_bound=33.0)]
+                 x_decode=1.5, x_decode_compiled=2.0, x_prefill=10.0, pct_bound=33.0)]
     env = {"cpu": "AMD EPYC", "cores": 2, "isa": "avx512", "supported_isas": ["avx512"], "torch": "2"}
     path = tmp_path / "vs.json"
     path.write_text(json.dumps({"meta": {"command": "python benchmarks/vs_llamacpp.py --json vs.json", "env": env},
                                 "tables": {"vs llama.cpp, falcon3-1b (18 layers)": rows}}))
     out, _ = render.rows_of_file(str(path), "zen5/vs.json")
     assert len(out) == 1, out
-    assert out[0]["ours"] == "30.00 tok/s, prefill 300 tok/s"
-    assert out[0]["pct_beta"].startswith("50%")
-    assert "llama.cpp TQ2_0 (save_gguf (our weights)): 20.00 tok/s, ours 1.50x (prefill 10.00x), 33% of β" == \
-        out[0]["vs_peer"]
+    assert out[0]["ours"] == "30.00 tok/s, prefill 300 tok/s; compiled decode 40.00 tok/s"
+    assert out[0]["pct_beta"].startswith("50%, compiled 66%")
+    assert "llama.cpp TQ2_0 (save_gguf (our weights)): 20.00 tok/s, ours 1.50x (compiled 2.00x) (prefill 10.00x), " \
+        "33% of β" == out[0]["vs_peer"]

@@ -184,6 +184,15 @@ def summarise_vs_llamacpp(title: str, rows: list[dict]) -> list[dict]:
     return out
 
 
+def summarise_decode_attention(title: str, rows: list[dict]) -> list[dict]:
+    """A row per cache length: the "ulb" attention against transformers' sdpa, without and with a mask."""
+    return [dict(what=f"{title}: one token over {r['length']} keys, per layer",
+                 ours=f"{r['us_ulb']:.1f} us (no mask), {r['us_ulb_mask']:.1f} us (mask)",
+                 vs_peer=f"sdpa {r['us_sdpa']:.1f} us: {fmt_x(r['x'])}; with a mask {r['us_sdpa_mask']:.1f} us: "
+                         f"{fmt_x(r['x_mask'])}")
+            for r in rows]
+
+
 def summarise_vllm_decode(title: str, rows: list[dict]) -> list[dict]:
     """A row per tensor parallel size and variant served."""
     return [dict(what=f"{title}: {r['variant']}, TP={r['tp']} ({r['mode']}, {r['threads_per_rank']} thr/rank)",
@@ -196,7 +205,8 @@ def summarise_vllm_decode(title: str, rows: list[dict]) -> list[dict]:
 SUMMARIES = {"gemv.py": summarise_gemv, "triton_sass.py": summarise_triton_sass, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
              "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum, "load.py": summarise_load,
-             "vs_llamacpp.py": summarise_vs_llamacpp, "vllm_decode.py": summarise_vllm_decode}
+             "vs_llamacpp.py": summarise_vs_llamacpp, "vllm_decode.py": summarise_vllm_decode,
+             "decode_attention.py": summarise_decode_attention}
 
 
 def machine_of_env(env: dict) -> str:
