@@ -1,5 +1,6 @@
 """The "ulb" attention implementation (integrations/hf_attention.py): its
-one-token path against the math of transformers' eager attention (repeat_kv,
+one-token path (torch's kernel on packed heads for short caches, two
+matmuls for long ones) against the math of transformers' eager attention (repeat_kv,
 matmul, float32 softmax, matmul), with every mask form transformers passes;
 everything else handed to transformers' sdpa function unchanged; and a model
 switched to it decoding the same tokens."""
@@ -42,7 +43,7 @@ def masks(B, H, L, g):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (8, 8), (6, 1)])
-@pytest.mark.parametrize("L", [1, 7, 130])
+@pytest.mark.parametrize("L", [1, 7, 130, hf_attention.SDPA_MAX_KEYS - 1, hf_attention.SDPA_MAX_KEYS, 300])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "per-head bool", "longer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_matches_eager_attention_math(heads, kv_heads, L, mask_kind, dtype):

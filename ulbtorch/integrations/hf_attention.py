@@ -3,21 +3,25 @@ implementation ("ulb"):
 
     ulbtorch.decode_attention_(model)      # model.set_attn_implementation("ulb")
 
-Why: at one query token, torch's scaled_dot_product_attention on the CPU
-runs its flash kernel, whose fixed cost per call is several times the
-arithmetic at short contexts and which grows far faster than the cache at
-long ones (benchmarks/results), once per layer per token. Here a decode
-step is two batched matmuls on the key/value heads (the query heads of a
-group as rows, no repeat_kv) and a float32 softmax: the arithmetic of
-transformers' "eager" attention. Anything else (prompts, training with
-dropout, soft-capping, attention sinks, other devices) goes to transformers'
-own sdpa function unchanged."""
+Why: at one query token, transformers' sdpa function on the CPU calls
+torch's flash kernel on every query head (enable_gqa or repeat_kv: its
+default path, and every compiled one), whose cost grows far faster than the
+cache, once per layer per token. Here the query heads of each key/value
+head are the rows of one attention on it: torch's kernel on those packed
+heads for short caches, and above SDPA_MAX_KEYS two batched matmuls and a
+float32 softmax (the arithmetic of transformers' "eager" attention).
+Anything else (prompts, training with dropout, soft-capping, attention
+sinks, other devices) goes to transformers' own sdpa function unchanged."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 NAME = "ulb"
+# Below this many keys torch's kernel on the packed heads (the query heads
+# of a kv head as rows, no repeat_kv) costs less than the two matmuls; above,
+# its cost grows faster than theirs (benchmarks/decode_attention.py).
+SDPA_MAX_KEYS = 256
 # Keyword arguments of features the decode path does not implement.
 _FALL_BACK_ON = ("softcap", "s_aux", "sinks", "position_bias")
 
@@ -39,18 +43,21 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                       **kwargs)
     group = H // kvh
     scaling = D ** -0.5 if scaling is None else scaling
-    # Query head h reads key/value head h // group (transformers' repeat_kv).
-    scores = torch.matmul(query.reshape(B, kvh, group, D), key.transpose(-1, -2)).float() * scaling
+    # Query head h reads key/value head h // group (transformers' repeat_kv):
+    # a group's query heads are the rows of one attention on its kv head.
+    q = query.reshape(B, kvh, group, D)
+    mask = None
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[-2]]
         if mask.dim() == 4 and mask.shape[1] == H:  # a mask per query head
             mask = mask.reshape(mask.shape[0], kvh, group, -1)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, kvh, group, D]
+    if key.shape[-2] < SDPA_MAX_KEYS:
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    else:
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
     return out.reshape(B, H, 1, D).transpose(1, 2), None
 
 
