@@ -61,6 +61,10 @@ def build_model(cfg: dict, seed: int):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
     model.generation_config.pad_token_id = config.pad_token_id
+    # No EOS: generate runs every step without min_new_tokens' masking, an
+    # arange + isin + where over the vocabulary a step (llama-bench's tg
+    # samples nothing).
+    model.generation_config.eos_token_id = None
     return model
 
 
@@ -319,7 +323,7 @@ def main(argv=None):
             m = copy.deepcopy(model)
             if not args.no_hugepages:  # a deep copy is in 4 KiB pages again
                 ulbtorch.hugepages.move_to_hugepages(m)
-            ulbtorch.compile_decode(m)
+            ulbtorch.compile_decode(m, frozen=True)
             t0 = time.perf_counter()
             generate(m, ids, args.tokens)  # compiles
             print(f"  (torch.compile warmup of {name}: {time.perf_counter() - t0:.1f} s)")

@@ -20,8 +20,9 @@ What runs (benchmarks/peers/README.md has the details):
 - per thread count and matching pair, rounds in turn: our HF decode
   (decode.generate: `--tokens` new tokens after a `--context` prompt, and
   the first token of a `--prompt-len` prompt), in eager mode and after
-  ulbtorch.compile_decode (static KV cache, compiled step, ulbtorch's
-  decode attention; its prefill is not timed), against llama-bench tg
+  ulbtorch.compile_decode(frozen=True) (static KV cache, compiled step
+  without checks on the modules, ulbtorch's decode attention; its prefill
+  is not timed), against llama-bench tg
   (same tokens at depth `--context`) and pp (`--prompt-len`);
 - a plain read of a buffer larger than the caches at each thread count,
   before and after (common.measure_read_bandwidth, the best seen), and the
@@ -64,7 +65,7 @@ FORMATS = {
 HEADS = {"bf16": ({}, "bf16"), "q8_0": (dict(lm_head_bits=8, lm_head_group_size=32), "q8_0")}
 SOURCES = ("save_gguf", "llama-quantize")
 # How ours runs -> its engine name: HF eager generate, and generate after
-# ulbtorch.compile_decode (static KV cache, compiled decode step)
+# ulbtorch.compile_decode(frozen=True) (static KV cache, compiled decode step)
 OURS = {"eager": "ulbtorch HF eager", "compiled": "ulbtorch HF compiled"}
 
 
@@ -257,7 +258,7 @@ def our_variants(qm, fmt: str, which: list[str]) -> list[dict]:
         if how == "compiled":
             m = copy.deepcopy(qm)
             ulbtorch.hugepages.move_to_hugepages(m)
-            ulbtorch.compile_decode(m)
+            ulbtorch.compile_decode(m, frozen=True)
         out.append(dict(model=m, name=OURS[how], ours=how, source=f"quantize_ {fmt}", bytes=ulb_bytes(m),
                         prefill=how != "compiled"))
     return out

@@ -1,5 +1,7 @@
 """torch.compile support: opcheck for every op, and a patched HF model
 compiled with fullgraph=True matches eager."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -155,6 +157,46 @@ def test_compile_decode_tokens_match_the_static_cache_in_eager():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert torch.equal(got, expected), (got, expected)
     assert torch.equal(shorter, expected[:, :13])
+
+
+def test_compile_decode_frozen_keeps_the_input_checks():
+    """frozen=True drops the per-step checks on the model's modules, not those
+    on the step's inputs: a call longer than the first (a larger static
+    cache) compiles a second graph instead of running the first on it, and
+    both give the eager static-cache tokens; a changed module attribute
+    compiles nothing new."""
+    from _tiny_llama import prompt, tiny_llama
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    ulbtorch.quantize_(model, format="ternary", lm_head_bits=8)
+    ids = prompt(8)[:1]
+    ref = copy.deepcopy(model)  # its static cache keeps the longest length it saw: not this model's
+    with torch.inference_mode():
+        expected = ref.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                                disable_compile=True)
+        short_expected = expected[:, :13]
+        ulbtorch.compile_decode(model, frozen=True)
+        assert model.generation_config.compile_config.options["guard_filter_fn"] is not None
+        torch._dynamo.reset()
+        counters.clear()
+        short = model.generate(ids, max_new_tokens=5, do_sample=False)
+        longer = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+        # What frozen gives up, as documented: a changed module goes unnoticed.
+        model.model.norm.variance_epsilon *= 10
+        model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert torch.equal(short, short_expected), (short, short_expected)
+    assert torch.equal(longer, expected), (longer, expected)
+
+
+def test_compile_decode_frozen_takes_options_not_a_mode():
+    from _tiny_llama import tiny_llama
+
+    with pytest.raises(ValueError, match="frozen=True passes options to torch.compile"):
+        ulbtorch.compile_decode(tiny_llama(), frozen=True, mode="max-autotune-no-cudagraphs")
 
 
 def test_compile_decode_refuses_what_has_no_generate():

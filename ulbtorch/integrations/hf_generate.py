@@ -18,21 +18,32 @@ What changes for the caller: the first generate call compiles (tens of
 seconds), and so does a call whose prompt plus new tokens is longer than
 any before (transformers keeps the cache at the longest length seen). The
 cache holds max_length positions from the start, and attention reads all of
-them every step (masked)."""
+them every step (masked).
+
+frozen=True promises that the model's modules stay as they are, and drops
+the checks torch.compile would make on them before every step (their
+attributes and tensors: a thousand or more guards for a 1B model); the
+checks on the step's inputs, the KV cache among them, stay, so a longer
+cache still compiles anew."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .hf_attention import decode_attention_
 
 
-def compile_decode(model: nn.Module, *, attention: bool = True, mode: str | None = None,
+def compile_decode(model: nn.Module, *, attention: bool = True, frozen: bool = False, mode: str | None = None,
                    options: dict | None = None) -> nn.Module:
     """Make `model.generate` use a static KV cache and a compiled decode step
     (transformers' CompileConfig, asked to compile on the CPU too), and with
     attention=True (default) ulbtorch's decode attention
     (hf_attention.decode_attention_): compiled, torch's sdpa keeps its
-    flash kernel's cost per call, which is then most of what is left. mode
+    flash kernel's cost per call, which is then most of what is left.
+    frozen=True: skip the per-step checks on the model's own modules and
+    tensors; change none of them afterwards (weights, layers, attention),
+    or the compiled step runs the old model without noticing; to change
+    the model, call torch._dynamo.reset() and compile_decode again. mode
     or options (one of them, as torch.compile takes) go to torch.compile.
     Returns the model; undo with
     `model.generation_config.cache_implementation = None`,
@@ -44,6 +55,11 @@ def compile_decode(model: nn.Module, *, attention: bool = True, mode: str | None
         raise TypeError(f"compile_decode takes a transformers model with generate(), got {type(model).__name__}")
     if attention:
         decode_attention_(model)
+    if frozen:
+        if mode is not None:
+            raise ValueError("compile_decode: frozen=True passes options to torch.compile, which then takes no mode; "
+                             "give the mode's settings as options")
+        options = {**(options or {}), "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     config = CompileConfig(fullgraph=True, dynamic=False, mode=mode, options=options)
     # transformers compiles the step only on accelerators unless asked; this
     # private flag is how its own CPU tests ask (transformers 5.x).
