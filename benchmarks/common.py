@@ -249,6 +249,23 @@ def num_threads(n: int):
         torch.set_num_threads(prev)
 
 
+def step_bytes(model) -> int:
+    """Bytes one decode step reads whole: every parameter and buffer but the
+    token embedding (a row of it a step); tensor subclasses (torchao) by
+    their inner tensors."""
+    skip = {id(t) for m in model.modules() if isinstance(m, torch.nn.Embedding) for t in m.parameters()}
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in skip:
+            continue
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            total += sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
 # ---- memory bandwidth ---------------------------------------------------------
 
 def _probe(streams: int):

@@ -183,23 +183,6 @@ def llama_files(lc, args, hf: str, root: str, log=print) -> dict[tuple[str, str]
     return out
 
 
-def ulb_bytes(model) -> int:
-    """Bytes one decode step reads whole: every parameter and buffer but the
-    token embedding (a row of it a step); tensor subclasses (torchao) by
-    their inner tensors."""
-    skip = {id(t) for m in model.modules() if isinstance(m, torch.nn.Embedding) for t in m.parameters()}
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in skip:
-            continue
-        if hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            total += sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
-        else:
-            total += t.numel() * t.element_size()
-    return total
-
-
 def ulb_sample(model, ids_ctx, ids_pp, tokens: int) -> dict:
     """One timed sample of HF eager greedy decode (decode.generate): decode
     tok/s over tokens after the first, and prefill tok/s of ids_pp."""
@@ -259,7 +242,7 @@ def our_variants(qm, fmt: str, which: list[str]) -> list[dict]:
             m = copy.deepcopy(qm)
             ulbtorch.hugepages.move_to_hugepages(m)
             ulbtorch.compile_decode(m, frozen=True)
-        out.append(dict(model=m, name=OURS[how], ours=how, source=f"quantize_ {fmt}", bytes=ulb_bytes(m),
+        out.append(dict(model=m, name=OURS[how], ours=how, source=f"quantize_ {fmt}", bytes=common.step_bytes(m),
                         prefill=how != "compiled"))
     return out
 
@@ -349,7 +332,7 @@ def main(argv=None):
                 peers += [dict(name=f"torchao {n}", source="torchao quantize_", model=m)
                           for n, m in ao_models.items() if torchao_peer.MATCHES[n] == fmt]
             for p in peers:
-                p["bytes"] = llamacpp.bytes_per_token(p["path"]) if "path" in p else ulb_bytes(p["model"])
+                p["bytes"] = llamacpp.bytes_per_token(p["path"]) if "path" in p else common.step_bytes(p["model"])
             ours = our_variants(qm, fmt, args.ours)
             for t in args.threads:
                 print(f"  timing {fmt} + {head} head, {t} thr: {len(ours)} of ours and {len(peers)} peers, "

@@ -37,6 +37,8 @@ RUNS = {
                     "--profile", "--experts-ab", "2", "--shapes", "{shapes}"], ("Amdahl", "same tokens: True")),
     "checksum": (["checksum.py", "--quick"], "blob checks at load"),
     "decode_attention": (["decode_attention.py", "--quick", "--shapes", "{shapes}"], "x = sdpa / ulb"),
+    "decode_step": (["decode_step.py", "--quick", "--threads", "1", "--shapes", "{shapes}"],
+                    ("compiled frozen", "all but ulb::linear")),
     "gemv_bf16": (["gemv_bf16.py", "--models", "tiny-lm", "--threads", "2", "--reps", "1", "--packed", "int8",
                    "--shapes", "{shapes}"], "ulb.linear_bf16 median"),
 }

@@ -192,6 +192,34 @@ def test_compile_decode_frozen_keeps_the_input_checks():
     assert torch.equal(longer, expected), (longer, expected)
 
 
+def test_compile_decode_frozen_models_keep_their_own_steps():
+    """Two frozen models of one class but not one structure (an int8 and a
+    bf16 lm_head): without the checks on modules each would take the step
+    compiled for the other (torch.compile keeps steps per code object), and
+    fail or compute the other's model; each has its own and its own tokens."""
+    from _tiny_llama import prompt, tiny_llama
+    from torch._dynamo.utils import counters
+
+    a = tiny_llama()
+    a.generation_config.eos_token_id = None
+    b = copy.deepcopy(a)
+    ulbtorch.quantize_(a, format="ternary", lm_head_bits=8)
+    ulbtorch.quantize_(b, format="ternary")
+    ids = prompt(8)[:1]
+    with torch.inference_mode():
+        expected = [copy.deepcopy(m).generate(ids, max_new_tokens=6, do_sample=False,
+                                              cache_implementation="static", disable_compile=True) for m in (a, b)]
+        torch._dynamo.reset()
+        counters.clear()
+        got = []
+        for m in (a, b):
+            ulbtorch.compile_decode(m, frozen=True)
+            got.append(m.generate(ids, max_new_tokens=6, do_sample=False))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), (g, e)
+
+
 def test_compile_decode_frozen_takes_options_not_a_mode():
     from _tiny_llama import tiny_llama
 

@@ -202,11 +202,29 @@ def summarise_vllm_decode(title: str, rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
+def summarise_decode_step(title: str, rows: list[dict]) -> list[dict]:
+    """The step table: a row per thread count, format and variant; the
+    profile: a row per thread count and format with its costliest ops."""
+    if title.startswith("Profile"):
+        out = []
+        for (thr, fmt), rs in grouped(rows, "threads", "format"):
+            ops = "; ".join(f"{r['op']} {r['ms_per_token']:.2f}" for r in rs if r.get("calls"))
+            rest = next((r["ms_per_token"] for r in rs if not r.get("calls")), None)
+            out.append(dict(what=f"{title}, {fmt}, {thr} thr: self CPU ms a token, costliest ops",
+                            ours=ops + (f"; all but ulb::linear {rest:.2f}" if rest is not None else "")))
+        return out
+    return [dict(what=f"{title}: {r['format']}, {r['variant']}, {r['threads']} thr",
+                 ours=f"{r['ms']:.2f} ms/token ({r['tok_s']:.2f} tok/s)"
+                 + (f", {r['outside_ms']:.2f} ms beyond the layers" if r.get("outside_ms") is not None else ""),
+                 pct_beta=f"{fmt_pct(r['pct_bound'])} ({r['step_mib']:.0f} MiB a step / {r['read_gbps']:.1f} GB/s)")
+            for r in rows]
+
+
 SUMMARIES = {"gemv.py": summarise_gemv, "triton_sass.py": summarise_triton_sass, "decode.py": summarise_decode, "gemv_bf16.py": summarise_gemv_bf16,
              "hugepages.py": summarise_hugepages, "roofline.py": summarise_roofline,
              "scheduler.py": summarise_scheduler, "checksum.py": summarise_checksum, "load.py": summarise_load,
              "vs_llamacpp.py": summarise_vs_llamacpp, "vllm_decode.py": summarise_vllm_decode,
-             "decode_attention.py": summarise_decode_attention}
+             "decode_attention.py": summarise_decode_attention, "decode_step.py": summarise_decode_step}
 
 
 def machine_of_env(env: dict) -> str:

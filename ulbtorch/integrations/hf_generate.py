@@ -24,7 +24,10 @@ frozen=True promises that the model's modules stay as they are, and drops
 the checks torch.compile would make on them before every step (their
 attributes and tensors: a thousand or more guards for a 1B model); the
 checks on the step's inputs, the KV cache among them, stay, so a longer
-cache still compiles anew."""
+cache still compiles anew. Compiled steps are kept per code object, and
+every model of a class runs the same forward code: without checks on the
+modules one model could take the step compiled for another, so a frozen
+model's steps are kept apart (torch.compile's isolate_recompiles)."""
 from __future__ import annotations
 
 import torch
@@ -42,7 +45,7 @@ def compile_decode(model: nn.Module, *, attention: bool = True, frozen: bool = F
     flash kernel's cost per call, which is then most of what is left.
     frozen=True: skip the per-step checks on the model's own modules and
     tensors; change none of them afterwards (weights, layers, attention),
-    or the compiled step runs the old model without noticing; to change
+    or the step compiled for the old model runs on it unchecked; to change
     the model, call torch._dynamo.reset() and compile_decode again. mode
     or options (one of them, as torch.compile takes) go to torch.compile.
     Returns the model; undo with
@@ -64,6 +67,10 @@ def compile_decode(model: nn.Module, *, attention: bool = True, frozen: bool = F
     # transformers compiles the step only on accelerators unless asked; this
     # private flag is how its own CPU tests ask (transformers 5.x).
     config._compile_all_devices = True
+    if frozen:
+        # CompileConfig passes its instance attributes on to torch.compile:
+        # this model's compiled steps then stand apart from every other's.
+        config.isolate_recompiles = True
     gen.cache_implementation = "static"
     gen.compile_config = config
     return model
