@@ -21,9 +21,11 @@ EPS = 1e-5
 
 
 @pytest.fixture(autouse=True)
-def eager_bitnet(monkeypatch):
-    # transformers' BitNet layers torch.compile their activation rounding: eager here, in seconds
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+def eager_bitnet():
+    # transformers' BitNet layers torch.compile their activation rounding: eager here, in seconds.
+    # (torch's config.patch, not monkeypatch: pytest 9.2's undo deletes the setting, which hides it.)
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def falcon_e_checkpoint(path, packed=True, norm=True, bias=False, seed=0):
