@@ -82,6 +82,16 @@ def generate(model, ids, n_new):
                           min_new_tokens=n_new, do_sample=False, use_cache=True)
 
 
+def decode_seconds(model, ids, n_new: int) -> float:
+    """One sample of seconds per token after the first: generate(n_new) less
+    generate(1) (the prompt and the first token), over n_new - 1."""
+    t0 = time.perf_counter()
+    generate(model, ids, n_new)
+    t1 = time.perf_counter()
+    generate(model, ids, 1)
+    return ((t1 - t0) - (time.perf_counter() - t1)) / (n_new - 1)
+
+
 def time_decode(model, ids, n_new, reps, warmup=1):
     """Median seconds of generate(n_new) and of generate(1) (= prefill + 1 token)."""
     for _ in range(warmup):

@@ -45,16 +45,6 @@ from ulbtorch.nn.linear import LowBitLinear  # noqa: E402
 VARIANTS = {"layers": "layers only", "eager": "eager", "compiled": "compiled", "frozen": "compiled frozen"}
 
 
-def decode_seconds(model, ids, tokens: int) -> float:
-    """Seconds per token of generate(tokens) less generate(1) (the prompt)."""
-    t0 = time.perf_counter()
-    decode.generate(model, ids, tokens)
-    t1 = time.perf_counter()
-    decode.generate(model, ids, 1)
-    t2 = time.perf_counter()
-    return ((t1 - t0) - (t2 - t1)) / (tokens - 1)
-
-
 def layers_pass(layers: list, inputs: dict) -> float:
     """Seconds of one call of every layer, in order, on one token each."""
     t0 = time.perf_counter()
@@ -141,7 +131,7 @@ def main(argv=None):
     def sample(c):
         if c["variant"] == "layers":
             return statistics.median(layers_pass(layer_lists[c["fmt"]], inputs) for _ in range(5))
-        return decode_seconds(c["model"], ids, args.tokens)
+        return decode.decode_seconds(c["model"], ids, args.tokens)
 
     table = common.Table([("threads", "thr", "d"), ("format", "format", None), ("variant", "variant", None),
                           ("ms", "ms/token", ".2f"), ("tok_s", "tok/s", ".2f"), ("pct_bound", "% of bound", ".1f"),

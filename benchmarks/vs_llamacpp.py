@@ -186,13 +186,8 @@ def llama_files(lc, args, hf: str, root: str, log=print) -> dict[tuple[str, str]
 def ulb_sample(model, ids_ctx, ids_pp, tokens: int) -> dict:
     """One timed sample of HF eager greedy decode (decode.generate): decode
     tok/s over tokens after the first, and prefill tok/s of ids_pp."""
-    t0 = time.perf_counter()
-    decode.generate(model, ids_ctx, tokens)
-    t_full = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    decode.generate(model, ids_ctx, 1)
-    t_one = time.perf_counter() - t0
-    out = dict(tg=(tokens - 1) / (t_full - t_one) if t_full > t_one else float("nan"), pp=None)
+    s = decode.decode_seconds(model, ids_ctx, tokens)
+    out = dict(tg=1 / s if s > 0 else float("nan"), pp=None)
     if ids_pp is not None:
         t0 = time.perf_counter()
         decode.generate(model, ids_pp, 1)
