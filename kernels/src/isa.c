@@ -275,13 +275,14 @@ ulb_panel_fn ulb_panel_for_isa(ulb_isa isa) {
 }
 
 const ulb_gemm_kernel *ulb_gemm_for(ulb_isa isa, const ulb_weight *w, int64_t N) {
-    if (w->bits == ULB_BASE3_BITS) return NULL; /* the GEMMs unpack bit fields only */
 #if defined(__x86_64__)
-    if (isa == ULB_ISA_AMX && N >= ULB_AMX_MIN_TOKENS) return &ulb_gemm_amx;
+    if (isa == ULB_ISA_AMX && N >= ULB_AMX_MIN_TOKENS) return &ulb_gemm_amx; /* base 3 too */
 #elif ULB_ARM
-    if (isa == ULB_ISA_I8MM && N >= ULB_I8MM_MIN_TOKENS) return &ulb_gemm_i8mm;
+    /* i8mm unpacks bit fields only. */
+    if (isa == ULB_ISA_I8MM && N >= ULB_I8MM_MIN_TOKENS && w->bits != ULB_BASE3_BITS) return &ulb_gemm_i8mm;
 #endif
     (void)isa;
+    (void)w;
     (void)N;
     return NULL;
 }

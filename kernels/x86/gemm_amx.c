@@ -1,7 +1,8 @@
 /* AMX int8 GEMM for calls of ULB_AMX_MIN_TOKENS tokens or more (prefill),
- * every code width. Field j of a 64-byte tile is 16 rows x 4 k in the VNNI
- * order AMX's B operand takes, so a shift, a mask and the affine map make it
- * one B row of signed levels (a*q + b fits in s8 for every format): the
+ * every code width and base 3. Field j of a 64-byte tile is 16 rows x 4 k in
+ * the VNNI order AMX's B operand takes, so a shift, a mask and the affine map
+ * make it one B row of signed levels (a*q + b fits in s8 for every format),
+ * as a table lookup on each byte makes digit j of a base-3 tile: the
  * int32 sums of TDPBSSD (s8 activations x s8 levels) are then the group's
  * dots of internal.h's contract, with no activation-sum term. Codes are
  * unpacked a chunk of k at a time into a buffer that stays in L1, every block
@@ -19,6 +20,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "../src/base3.h"
 #include "../src/internal.h"
 
 /* Tokens of one tile: its rows. */
@@ -80,29 +82,58 @@ static __m512i lanes_to_vnni(void) {
     return _mm512_load_si512(idx);
 }
 
+/* Digit j of a base-3 byte as its level (c - 1) for the byte's low 7 bits,
+ * sign bit clear (base3.h); the sign bit negates it. Filled at load. */
+static int8_t BASE3_LEVELS[ULB_BASE3_DIGITS][128] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void fill_base3_levels(void) {
+    for (int j = 0; j < ULB_BASE3_DIGITS; j++)
+        for (int i = 0; i < 128; i++) BASE3_LEVELS[j][i] = (int8_t)((int)ulb_base3_code((uint8_t)i, j) - 1);
+}
+
+/* Levels of field (digit) j of the tile v: the bit field's a*q + b, or the
+ * base-3 digit's table entry, negated in the bytes of `neg`. */
+ALWAYS_INLINE __m512i tile_levels(__m512i v, int j, const __m512i *base3, __mmask64 neg, __m512i mask,
+                                  __m512i level_b, const int twice, const int bits) {
+    if (bits == ULB_BASE3_BITS) {
+        const __m512i level = _mm512_permutex2var_epi8(base3[2 * j], v, base3[2 * j + 1]);
+        return _mm512_mask_sub_epi8(level, neg, _mm512_setzero_si512(), level);
+    }
+    const __m512i u = bits == 8 ? v : _mm512_and_si512(_mm512_srli_epi16(v, bits * j), mask);
+    return _mm512_add_epi8(twice ? _mm512_add_epi8(u, u) : u, level_b);
+}
+
 /* k-blocks [c0, c1) of a group of `steps` k-steps whose codes start at
  * `codes`, into chunk[kb - c0][t][row][64] as levels level_a * q + level_b
  * (level_a is 1 or 2 in every format: ulb_format_get). B row q of the group
  * (k-quad q: columns 4q .. 4q+3, 16 rows) of row tile t is field q % fields
  * of k-step q / fields; rows past the group's columns are zero, so the
- * activations they meet (the next group's, or padding) add nothing. */
+ * activations they meet (the next group's, or padding) add nothing. A chunk
+ * may start or end inside a base-3 k-step (5 quads): that step is decoded
+ * in both chunks, each keeping its own quads. */
 ALWAYS_INLINE void unpack_chunk(const ulb_weight *w, const uint8_t *codes, int64_t steps, int nt, int64_t c0,
                                 int64_t c1, int64_t kblk, uint8_t *chunk, const int bits) {
-    const int fields = 8 / bits, lanes = w->tiles == ULB_TILES_LANES, twice = w->level_a == 2;
+    const int fields = bits == ULB_BASE3_BITS ? ULB_BASE3_DIGITS : 8 / bits, lanes = w->tiles == ULB_TILES_LANES;
+    const int twice = w->level_a == 2;
     const int64_t rows = kblk / 4, btile = amx_btile_bytes(kblk);
-    const int64_t q0 = c0 * rows, q1 = c1 * rows, ks1 = q1 / fields < steps ? q1 / fields : steps;
-    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1)), perm = lanes_to_vnni();
+    const int64_t q0 = c0 * rows, q1 = c1 * rows, ks_end = (q1 + fields - 1) / fields;
+    const int64_t ks1 = ks_end < steps ? ks_end : steps;
+    const __m512i mask = _mm512_set1_epi8((char)((1 << (bits & 7)) - 1)), perm = lanes_to_vnni();
     const __m512i level_b = _mm512_set1_epi8((char)w->level_b);
+    __m512i base3[2 * ULB_BASE3_DIGITS];
+    if (bits == ULB_BASE3_BITS)
+        for (int i = 0; i < 2 * ULB_BASE3_DIGITS; i++) base3[i] = _mm512_load_si512(BASE3_LEVELS[i / 2] + 64 * (i % 2));
     for (int64_t ks = q0 / fields; ks < ks1; ks++)
         for (int t = 0; t < nt; t++) {
             __m512i v = _mm512_loadu_si512(codes + (ks * nt + t) * ULB_TILE_BYTES);
             if (lanes) v = _mm512_permutexvar_epi8(perm, v);
+            const __mmask64 neg = _mm512_movepi8_mask(v);
 #pragma GCC unroll 8
             for (int j = 0; j < fields; j++) {
                 const int64_t q = ks * fields + j - q0;
-                const __m512i u = bits == 8 ? v : _mm512_and_si512(_mm512_srli_epi16(v, bits * j), mask);
-                const __m512i level = _mm512_add_epi8(twice ? _mm512_add_epi8(u, u) : u, level_b);
-                _mm512_store_si512(chunk + ((q / rows) * nt + t) * btile + (q % rows) * ULB_TILE_BYTES, level);
+                if (q < 0 || q >= q1 - q0) continue;
+                _mm512_store_si512(chunk + ((q / rows) * nt + t) * btile + (q % rows) * ULB_TILE_BYTES,
+                                   tile_levels(v, j, base3, neg, mask, level_b, twice, bits));
             }
         }
     for (int64_t q = ks1 * fields - q0; q < q1 - q0; q++)
@@ -116,6 +147,7 @@ static void unpack_chunk_bits(const ulb_weight *w, const uint8_t *codes, int64_t
     switch (w->bits) {
     case 1: unpack_chunk(w, codes, steps, nt, c0, c1, kblk, chunk, 1); return;
     case 2: unpack_chunk(w, codes, steps, nt, c0, c1, kblk, chunk, 2); return;
+    case ULB_BASE3_BITS: unpack_chunk(w, codes, steps, nt, c0, c1, kblk, chunk, ULB_BASE3_BITS); return;
     case 4: unpack_chunk(w, codes, steps, nt, c0, c1, kblk, chunk, 4); return;
     default: unpack_chunk(w, codes, steps, nt, c0, c1, kblk, chunk, 8); return;
     }
