@@ -118,7 +118,7 @@ ALWAYS_INLINE void unpack_chunk(const ulb_weight *w, const uint8_t *codes, int64
     const int64_t rows = kblk / 4, btile = amx_btile_bytes(kblk);
     const int64_t q0 = c0 * rows, q1 = c1 * rows, ks_end = (q1 + fields - 1) / fields;
     const int64_t ks1 = ks_end < steps ? ks_end : steps;
-    const __m512i mask = _mm512_set1_epi8((char)((1 << (bits & 7)) - 1)), perm = lanes_to_vnni();
+    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1)), perm = lanes_to_vnni();
     const __m512i level_b = _mm512_set1_epi8((char)w->level_b);
     __m512i base3[2 * ULB_BASE3_DIGITS];
     if (bits == ULB_BASE3_BITS)
